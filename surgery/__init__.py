@@ -1,0 +1,34 @@
+"""surgery: make PyTorch models compile-ready for deployment.
+
+The runtime API is imported lazily (PEP 562), so `import surgery` and the CLI's start-up do not
+pay for `import torch` until a tensor is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "apply_manifest": "surgery.apply",
+    "mark_step": "surgery.apply",
+    "ApplyHandle": "surgery.apply",
+    "RegionRecord": "surgery.apply",
+    "load_manifest": "surgery.manifest",
+    "Manifest": "surgery.manifest",
+    "Region": "surgery.manifest",
+    "SurgeryError": "surgery.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'surgery' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from surgery.cli import main
+
+main()

@@ -1,0 +1,340 @@
+"""The I/O edge for checkpoints: read keys, shapes and dtypes; never execute a checkpoint.
+
+- ``.safetensors``: the header only, parsed here, so no tensor data is read and torch is not
+  imported.
+- ``.pt`` / ``.pth`` / ``.ckpt`` / ``.bin``: ``torch.load(weights_only=True, mmap=True)``.
+- a sharded checkpoint through its ``*.index.json``.
+A state dict nested in a container (``state_dict``, ``model``, ``ema`` ...) is found and the
+entry used is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from surgery.errors import CheckpointError, UnsafeCheckpointError
+
+SAFETENSORS_SUFFIXES = (".safetensors",)
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+INDEX_SUFFIX = ".index.json"
+
+# Container entries that commonly hold the state dict, in the order we prefer them when a file
+# holds several (the online weights before EMA copies).
+CONTAINER_ENTRIES: tuple[str, ...] = (
+    "state_dict", "model", "model_state_dict", "module", "net", "network", "params",
+    "ema", "model_ema", "ema_state_dict", "ema_model",
+)
+
+# torch dtype names -> safetensors header names, so fingerprints agree whichever side read them.
+_TORCH_TO_ST: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+    "complex128": "C128",
+}
+_ST_DTYPES = frozenset(_TORCH_TO_ST.values())
+# Bytes per element of each safetensors dtype (to check data_offsets against shapes).
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "C64": 8, "C128": 16,
+}
+# A header larger than this is not a real safetensors header (the format caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def normalize_dtype(dtype: object) -> str:
+    """'torch.float32', torch.float32 or 'F32' -> 'F32' (the safetensors spelling)."""
+    s = str(dtype)
+    if s in _ST_DTYPES:
+        return s
+    s = s.removeprefix("torch.")
+    return _TORCH_TO_ST.get(s, s.upper())
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor, without its data."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors spelling, e.g. "F32"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class CheckpointInfo:
+    """What reading a checkpoint found: its tensors and how they were found."""
+
+    path: str
+    format: str  # "safetensors" | "pickle" | "sharded"
+    tensors: dict[str, TensorInfo]
+    entry: str | None = None  # the container entry the state dict came from, if any
+    candidates: list[str] = field(default_factory=list)  # every entry that held a state dict
+    ignored: list[str] = field(default_factory=list)  # non-tensor entries beside it
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+    files: list[str] = field(default_factory=list)
+
+
+def checkpoint_kind(path: str) -> str:
+    """'safetensors', 'pickle' or 'sharded' from the file name; raises on anything else."""
+    name = os.path.basename(path)
+    if name.endswith(INDEX_SUFFIX):
+        return "sharded"
+    if name.endswith(SAFETENSORS_SUFFIXES):
+        return "safetensors"
+    if name.endswith(PICKLE_SUFFIXES):
+        return "pickle"
+    raise CheckpointError(
+        f"{path}: unknown checkpoint type {os.path.splitext(name)[1] or '(no suffix)'!r}",
+        path=path,
+        hint="give a .safetensors, .pt/.pth/.ckpt/.bin file or a sharded *.index.json, "
+        "or plan a live model with --model package.module:factory",
+    )
+
+
+def _require_file(path: str) -> int:
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file", path=path, hint="check the path")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: not a regular file", path=path,
+                              hint="give the checkpoint file, or its *.index.json if sharded")
+    return os.path.getsize(path)
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """Parse a safetensors header: (tensors, metadata, data start offset). No torch import.
+
+    A garbage file reads as an absurd header length; a truncated file can keep an intact header,
+    so the largest data offset is compared with the file size.
+    """
+    size = _require_file(path)
+    bad = f"{path}: not a valid safetensors file"
+    if size < 8:
+        raise CheckpointError(f"{bad} ({'empty' if size == 0 else f'only {size} bytes'})",
+                              path=path, hint="the file is empty or truncated; re-export it")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n == 0 or n > _MAX_HEADER or n > size - 8:
+            raise CheckpointError(f"{bad} (header length {n} does not fit a {size}-byte file)",
+                                  path=path, hint="the file is corrupt, truncated or not "
+                                  "safetensors; re-export it")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{bad} (header is not JSON: {e.__class__.__name__})",
+                              path=path, hint="the file is corrupt; re-export it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{bad} (header is not a JSON object)", path=path)
+    meta = header.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
+            ti = TensorInfo(tuple(int(d) for d in shape), normalize_dtype(dtype))
+            expected = ti.numel * _ST_ITEMSIZE.get(ti.dtype, 0)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{bad} (malformed entry for {name!r})", path=path,
+                                  hint="the file is corrupt; re-export it") from None
+        if hi < lo or (expected and hi - lo != expected):
+            raise CheckpointError(f"{bad} (data_offsets of {name!r} do not match its shape)",
+                                  path=path, hint="the file is corrupt; re-export it")
+        tensors[name] = ti
+        end = max(end, hi)
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}",
+            path=path, hint="the copy was cut short; copy or export it again")
+    return tensors, {str(k): str(v) for k, v in meta.items()}, 8 + n
+
+
+def torch_load_safely(path: str) -> Any:
+    """``torch.load(weights_only=True)``, with mmap where the format allows it.
+
+    Every failure becomes a CheckpointError; a pickle that needs arbitrary globals becomes an
+    UnsafeCheckpointError. torch's own message advises turning weights_only off: that advice is
+    never passed on, because it would execute the file.
+    """
+    size = _require_file(path)
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file", path=path,
+                              hint="the file has no data; save or copy the checkpoint again")
+    import pickle
+
+    import torch
+
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            # A legacy (non-zip) pickle cannot be memory-mapped; it loads without mmap.
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        culprit = _unsafe_global(msg)
+        if culprit is not None or "Weights only load failed" in msg and "GLOBAL" in msg:
+            raise UnsafeCheckpointError(
+                f"{path}: refused: loading it would run code it names ({culprit or 'a global'}); "
+                "surgery never executes a checkpoint",
+                path=path,
+                hint="in the trusted environment that wrote it, re-save only tensors: "
+                "torch.save(model.state_dict(), ...) or safetensors' save_file",
+            ) from None
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(msg)})",
+                              path=path, hint="the file is corrupt or not a checkpoint") from None
+    except (EOFError, RuntimeError, ValueError, OSError, AttributeError, KeyError,
+            IndexError, struct.error, UnicodeDecodeError) as e:
+        what = _first_line(str(e)) or e.__class__.__name__
+        if "zip" in what.lower() or isinstance(e, EOFError):
+            what = f"truncated or corrupt archive: {what}"
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({what})", path=path,
+                              hint="the file is corrupt, truncated or not a checkpoint; "
+                              "save or copy it again") from None
+
+
+def _first_line(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    # torch's weights_only errors put the cause after a preamble that suggests weights_only=False.
+    for ln in lines:
+        if ln.startswith(("Unsupported", "Unsupported operand", "Trying to")):
+            return ln
+    return lines[0][:200] if lines else ""
+
+
+def _unsafe_global(msg: str) -> str | None:
+    for ln in msg.splitlines():
+        ln = ln.strip()
+        for marker in ("Unsupported global: GLOBAL ", "Unsupported global: "):
+            if ln.startswith(marker):
+                return ln[len(marker):].split(" ")[0]
+        if "Unsupported operand" in ln or "REDUCE" in ln:
+            return ln[:120]
+    return None
+
+
+def _is_tensor(v: object) -> bool:
+    return type(v).__module__.startswith("torch") and hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, Mapping) and len(obj) > 0 and all(_is_tensor(v) for v in obj.values())
+
+
+def select_state_dict(obj: object, *, path: str, key: str | None = None
+                      ) -> tuple[Mapping[str, Any], str | None, list[str], list[str]]:
+    """Find the state dict in a loaded object: (state dict, entry used, candidates, ignored).
+
+    `key` chooses an entry; nested entries are written ``outer/inner``.
+    """
+    if key is not None:
+        cur: Any = obj
+        for part in key.split("/"):
+            if not isinstance(cur, Mapping) or part not in cur:
+                have = sorted(str(k) for k in cur) if isinstance(cur, Mapping) else []
+                raise CheckpointError(f"{path}: no entry {key!r} in the checkpoint", path=path,
+                                      hint=f"entries here: {', '.join(have[:20]) or '(none)'}")
+            cur = cur[part]
+        if not _is_state_dict(cur):
+            raise CheckpointError(f"{path}: entry {key!r} is not a state dict of tensors",
+                                  path=path, hint="choose an entry that maps names to tensors")
+        return cur, key, [key], []
+    if _is_state_dict(obj):
+        return obj, None, [], []  # type: ignore[return-value]
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict",
+                              path=path, hint="save model.state_dict() rather than the model")
+    candidates = _find_candidates(obj, "")
+    if not candidates:
+        raise CheckpointError(f"{path}: no state dict of tensors found in it", path=path,
+                              hint=f"top-level entries: {', '.join(sorted(map(str, obj))[:20])}")
+    rank = {name: i for i, name in enumerate(CONTAINER_ENTRIES)}
+    chosen = min(candidates, key=lambda c: (c.count("/"), rank.get(c.split("/")[-1], 99)))
+    cur = obj
+    for part in chosen.split("/"):
+        cur = cur[part]
+    ignored = sorted(str(k) for k, v in obj.items() if not _is_tensor(v)
+                     and not any(c == k or c.startswith(f"{k}/") for c in candidates))
+    return cur, chosen, candidates, ignored
+
+
+def _find_candidates(obj: Mapping[Any, Any], prefix: str, depth: int = 0) -> list[str]:
+    out: list[str] = []
+    for k, v in obj.items():
+        name = f"{prefix}{k}"
+        if _is_state_dict(v):
+            out.append(name)
+        elif isinstance(v, Mapping) and depth < 2:
+            out.extend(_find_candidates(v, f"{name}/", depth + 1))
+    return out
+
+
+def _infos_from_state_dict(sd: Mapping[str, Any]) -> dict[str, TensorInfo]:
+    return {str(k): TensorInfo(tuple(v.shape), normalize_dtype(v.dtype)) for k, v in sd.items()}
+
+
+def read_checkpoint(path: str, *, key: str | None = None) -> CheckpointInfo:
+    """Read the keys, shapes and dtypes of any supported checkpoint."""
+    kind = checkpoint_kind(path)
+    if kind == "safetensors":
+        if key is not None:
+            raise CheckpointError(f"{path}: --key does not apply to safetensors files",
+                                  path=path, hint="drop --key; a safetensors file is flat")
+        tensors, meta, _ = read_safetensors_header(path)
+        return CheckpointInfo(path, kind, tensors, metadata=meta, files=[path])
+    if kind == "pickle":
+        sd, entry, cands, ignored = select_state_dict(torch_load_safely(path), path=path, key=key)
+        return CheckpointInfo(path, kind, _infos_from_state_dict(sd), entry=entry,
+                              candidates=cands, ignored=ignored, files=[path])
+    return _read_sharded(path, key=key)
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index: key -> shard file (absolute path)."""
+    _require_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AssertionError):
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index", path=path,
+                              hint="an index is JSON with a 'weight_map' of key -> shard file"
+                              ) from None
+    base = os.path.dirname(os.path.abspath(path))
+    return {str(k): os.path.join(base, str(v)) for k, v in weight_map.items()}
+
+
+def _read_sharded(path: str, *, key: str | None) -> CheckpointInfo:
+    weight_map = read_index(path)
+    shards = sorted(set(weight_map.values()))
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        sub = read_checkpoint(shard, key=key if checkpoint_kind(shard) == "pickle" else None)
+        for k, v in sub.tensors.items():
+            if k in tensors:
+                raise CheckpointError(f"{path}: key {k!r} appears in two shards", path=path,
+                                      hint="the shards overlap; re-export the checkpoint")
+            tensors[k] = v
+    missing = sorted(k for k in weight_map if k not in tensors)
+    if missing:
+        raise CheckpointError(
+            f"{path}: {len(missing)} key(s) listed in the index are in no shard: "
+            + ", ".join(repr(k) for k in missing[:5]),
+            path=path, hint="a shard is missing or stale; copy all shards together")
+    return CheckpointInfo(path, "sharded", tensors, files=shards)

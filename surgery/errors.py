@@ -1,0 +1,96 @@
+"""Every failure the library reports is a SurgeryError; the CLI maps each kind to an exit code.
+
+Each subclass carries what it names (a path, a key, a region) so callers and tests can inspect
+it without parsing the message.
+"""
+
+from __future__ import annotations
+
+# Exit codes of the CLI (DESIGN.md): 0 clean, 1 findings, 2 usage (Click's own), 3 could not run.
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_USAGE = 2
+EXIT_CANNOT_RUN = 3
+
+
+class SurgeryError(Exception):
+    """Base class. `exit_code` is what the CLI exits with when this reaches it."""
+
+    exit_code: int = EXIT_CANNOT_RUN
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  fix: {self.hint}"
+
+
+class CheckpointError(SurgeryError):
+    """A checkpoint that cannot be read: missing, truncated, garbage, or an unknown layout."""
+
+    def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle that needs arbitrary globals to load. It is reported, never executed."""
+
+
+class ManifestError(SurgeryError):
+    """A manifest that is missing, not TOML, or does not match the schema.
+
+    `location` is the dotted TOML location of the problem (e.g. ``region[2].paths[0]``).
+    """
+
+    def __init__(
+        self, message: str, *, path: str | None = None, location: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
+        self.location = location
+
+
+class KeyCollisionError(SurgeryError):
+    """Stripping wrapper segments would merge two or more keys into one."""
+
+    def __init__(self, message: str, *, collisions: dict[str, list[str]], hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.collisions = collisions
+
+
+class ModelSourceError(SurgeryError):
+    """A `--model package.module:factory` that cannot be imported or built."""
+
+
+class OutputExistsError(SurgeryError):
+    """Refusing to overwrite an existing output without --force."""
+
+    exit_code = EXIT_CANNOT_RUN
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"output {path!r} already exists",
+            hint="pass --force to overwrite it, or choose another path with -o",
+        )
+        self.path = path
+
+
+class RegionError(SurgeryError):
+    """A manifest region that does not fit the live model (unresolved path, bad options)."""
+
+    def __init__(self, message: str, *, region: str | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.region = region
+
+
+class FingerprintMismatchError(SurgeryError):
+    """The manifest was planned for a different checkpoint than the model or file at hand."""
+
+    def __init__(self, message: str, *, expected: str, actual: str, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.expected = expected
+        self.actual = actual
