@@ -1,0 +1,16 @@
+"""Shared test set-up: `cuda`-marked tests skip cleanly on a machine without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; runs on the GPU machine (benchmarks/README)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
