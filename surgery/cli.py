@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from surgery import __version__
-from surgery.errors import EXIT_CANNOT_RUN, SurgeryError
+from surgery.errors import EXIT_CANNOT_RUN, OutputExistsError, SurgeryError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,7 +76,127 @@ def cli() -> None:
 
 
 # ---- plan / check (surgery plan) ---------------------------------------------------------------
-# (filled in below)
+
+def _fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _render_plan(summary: dict[str, Any], out: str) -> None:
+    click.echo(f"planned {summary['source']} -> {out}")
+    click.echo(f"regions ({summary['paths']} compiled callables):")
+    for kind, n in summary["regions"].items():
+        click.echo(f"  {kind:<20} {n:>5}")
+    if not summary["regions"]:
+        click.secho("  (none found: add regions with --include GLOB)", fg="yellow")
+    total, covered = summary["parameters"], summary["covered_parameters"]
+    click.echo(f"parameters in module regions: {summary['covered_share']:.1%} "
+               f"({_fmt_count(covered)} of {_fmt_count(total)}; method regions not counted)")
+    if summary["left_out"]:
+        click.echo("left out:")
+        for lo in summary["left_out"]:
+            click.echo(f"  {lo['count']:>4} {lo['kind']}: {lo['reason']}")
+    for note in summary["notes"]:
+        click.secho(f"note: {note}", fg="yellow", err=True)
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("source", required=False, type=click.Path(dir_okay=False))
+@click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY",
+              help="Plan a live model built by this factory instead of a checkpoint. A live "
+              "model shows classes and method regions (attn_pre, ffn_residual).")
+@click.option("-o", "--output", metavar="PATH",
+              help="Where to write the manifest ('-' for stdout). Default: beside the input, "
+              "as NAME.surgery.toml.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--key", metavar="ENTRY", help="Container entry that holds the state dict "
+              "(e.g. state_dict, ema; nested: outer/inner). Default: found automatically.")
+@click.option("--prefix", metavar="PREFIX", help="Plan only keys under this attribute prefix, "
+              "with it stripped (e.g. 'model.' for a LightningModule's inner model).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Make matching module paths regions; they win over found ones. Repeatable.")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Drop regions whose path matches. Repeatable.")
+@click.option("--backend", metavar="NAME", help="Compile backend for every region "
+              "(default: inductor; cudagraphs and aot_eager also work).")
+@click.option("--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune",
+                                           "max-autotune-no-cudagraphs"]),
+              help="Inductor mode (default: reduce-overhead, i.e. CUDA graphs).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@handle_errors
+def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
+         key: str | None, prefix: str | None, include: tuple[str, ...],
+         exclude: tuple[str, ...], backend: str | None, mode: str | None,
+         as_json: bool) -> None:
+    """Write a manifest of compile regions for a checkpoint or a live model.
+
+    \b
+    SOURCE is a .safetensors, .pt/.pth/.ckpt/.bin or sharded *.index.json checkpoint.
+    Safetensors files are planned from their header alone (no tensor data is read).
+    Wrapper-prefixed keys (_orig_mod., module., ...) are planned as the clean model.
+
+    \b
+    Examples:
+      surgery plan model.safetensors
+      surgery plan last.ckpt --prefix model. -o model.surgery.toml
+      surgery plan --model surgery.examples:tiny -o tiny.surgery.toml
+      surgery plan model.safetensors --exclude 'aggregator.frame_blocks.*' --json
+    """
+    from surgery import plan as planner
+    from surgery.manifest import dumps_manifest, write_text_atomic
+
+    if (source is None) == (model_spec is None):
+        raise click.UsageError("give either a checkpoint SOURCE or --model PKG.MOD:FACTORY")
+    if model_spec is not None and (key or prefix):
+        raise click.UsageError("--key and --prefix apply to checkpoints, not to --model")
+    out = output or planner.default_output(source or model_spec or "")
+    if out != "-":
+        if source is not None and os.path.abspath(out) == os.path.abspath(source):
+            raise click.BadParameter("the manifest would overwrite its own checkpoint",
+                                     param_hint="-o")
+        if os.path.exists(out) and not force:
+            raise OutputExistsError(out)
+    comp = planner.compile_defaults(backend=backend, mode=mode)
+    if source is not None:
+        result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
+                                         exclude=exclude, compile=comp)
+    else:
+        assert model_spec is not None
+        result = planner.plan_model(model_spec, include=include, exclude=exclude, compile=comp)
+    text = dumps_manifest(result.manifest)
+    if out == "-":
+        click.echo(text, nl=False)
+    else:
+        write_text_atomic(out, text, force=force)
+    summary = result.summary()
+    if as_json:
+        emit_json({"output": out, **summary})
+    elif out != "-":
+        _render_plan(summary, out)
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
+@handle_errors
+def check(manifest: str, as_json: bool) -> None:
+    """Validate a manifest file against the schema.
+
+    Errors name the TOML location of the problem (e.g. region[2].paths[0]) and its line.
+    Exit 0 when valid, 3 when not.
+    """
+    from surgery.manifest import load_manifest
+
+    m = load_manifest(manifest)
+    paths = sum(len(r.paths) for r in m.regions)
+    if as_json:
+        emit_json({"manifest": manifest, "valid": True, "regions": len(m.regions),
+                   "paths": paths, "fingerprint": m.fingerprint})
+    else:
+        click.echo(f"{manifest}: valid ({len(m.regions)} regions, {paths} compiled callables, "
+                   f"fingerprint {m.fingerprint[:19]}...)")
 
 
 # ---- verify / export ---------------------------------------------------------------------------

@@ -221,38 +221,34 @@ def _raise(msg: str, *, path: str | None, location: str, text: str | None, more:
 
 
 def _line_of(text: str, location: str) -> int | None:
-    """Best-effort line number of a dotted location such as ``region[2].paths``."""
-    m = re.match(r"^([A-Za-z_]+)(?:\[(\d+)\])?(?:\.([A-Za-z_]+))?", location)
-    if not m:
-        return None
-    table, index, key = m.group(1), m.group(2), m.group(3)
+    """Best-effort 1-based line of a location such as ``region[2].paths[0]`` in tomli-w layout."""
+    tokens: list[str | int] = [int(i) if i else n for n, i in
+                               re.findall(r"([A-Za-z_][A-Za-z_0-9]*)|\[(\d+)\]", location)]
     lines = text.splitlines()
-    start = 0
-    if index is not None:
-        header = re.compile(rf"^\s*\[\[\s*{re.escape(table)}\s*\]\]")
-        hits = [i for i, ln in enumerate(lines) if header.match(ln)]
-        if int(index) >= len(hits):
+    lo, hi = 0, len(lines)
+    if not tokens or not isinstance(tokens[0], str):
+        return None
+    name = tokens.pop(0)
+    if tokens and isinstance(tokens[0], int):  # an array of tables: [[name]] number n
+        n = tokens.pop(0)
+        headers = [i for i, ln in enumerate(lines) if ln.strip() == f"[[{name}]]"]
+        if n >= len(headers):
             return None
-        start = hits[int(index)]
-        key = key or None
-    elif key is not None:
-        hdr = re.compile(rf"^\s*\[\s*{re.escape(table)}\s*\]")
-        hits = [i for i, ln in enumerate(lines) if hdr.match(ln)]
-        if not hits:
-            return None
-        start = hits[0]
+        lo = headers[n]
     else:
-        key = table
-    if key is None:
-        return start + 1
-    kre = re.compile(rf"^\s*{re.escape(key)}\s*=")
-    for i in range(start, len(lines)):
-        if i > start and lines[i].lstrip().startswith("[") and index is not None or \
-                i > start and lines[i].lstrip().startswith("[") and start:
-            break
-        if kre.match(lines[i]):
-            return i + 1
-    return start + 1 if start else None
+        header = next((i for i, ln in enumerate(lines) if ln.strip() == f"[{name}]"), None)
+        if header is None:  # a top-level key
+            tokens.insert(0, name)
+        else:
+            lo = header
+    hi = next((i for i in range(lo + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+    line = lo
+    if tokens and isinstance(tokens[0], str):
+        key = re.compile(rf"^\s*{re.escape(tokens.pop(0))}\s*=")
+        line = next((i for i in range(lo, hi) if key.match(lines[i])), lo)
+        if tokens and isinstance(tokens[0], int) and lines[line].rstrip().endswith("["):
+            line = min(line + 1 + tokens[0], hi - 1)
+    return line + 1
 
 
 # --- read / write ------------------------------------------------------------------------------

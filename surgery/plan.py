@@ -1,0 +1,274 @@
+"""`surgery plan`: a checkpoint or a live model -> a validated manifest of compile regions.
+
+Data flow: source -> model view -> regions.find_regions -> Manifest -> validate -> TOML.
+A checkpoint is read through checkpoint.py (safetensors: header only, no torch import); a live
+model is built from a ``package.module:factory`` on the meta device when possible.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from surgery import keys as keymod
+from surgery.checkpoint import CheckpointInfo, TensorInfo, normalize_dtype, read_checkpoint
+from surgery.errors import CheckpointError, ModelSourceError, RegionError
+from surgery.manifest import (
+    DEFAULT_COMPILE, DEFAULT_WARMUP, MANIFEST_SUFFIX, LeftOut, Manifest, Region,
+    compute_fingerprint,
+)
+from surgery.regions import Candidate, ModelView, find_regions, natural_key, view_from_tensors
+
+
+@dataclass
+class PlanResult:
+    """A planned manifest and what the planner noticed on the way."""
+
+    manifest: Manifest
+    source: str
+    notes: list[str] = field(default_factory=list)  # things the user should know or do
+    needs_export: int = 0  # keys carrying wrapper segments
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        total = m.model.get("parameters", 0) or 0
+        covered = m.model.get("covered_parameters", 0) or 0
+        left = Counter((lo.kind, _reason_class(lo.reason)) for lo in m.left_out)
+        return {
+            "source": self.source,
+            "fingerprint": m.fingerprint,
+            "regions": dict(_count_kinds(m.regions)),
+            "paths": sum(len(r.paths) for r in m.regions),
+            "parameters": total,
+            "covered_parameters": covered,
+            "covered_share": round(covered / total, 4) if total else 0.0,
+            "left_out": [{"kind": k, "reason": r, "count": n} for (k, r), n in left.items()],
+            "notes": list(self.notes),
+            "needs_export": self.needs_export,
+        }
+
+
+def _count_kinds(regions: Sequence[Region]) -> Counter[str]:
+    """Region paths per kind, in first-seen order."""
+    counts: Counter[str] = Counter()
+    for r in regions:
+        counts[r.kind] += len(r.paths)
+    return counts
+
+
+def _reason_class(reason: str) -> str:
+    """Group left-out reasons that differ only by the path they name."""
+    for sep in (" region ", " by --exclude "):
+        if sep in reason:
+            return reason.partition(sep)[0] + sep.rstrip()
+    return reason
+
+
+def default_output(source: str) -> str:
+    """`model.safetensors` -> `model.surgery.toml` beside it; a factory -> `<name>.surgery.toml`."""
+    if ":" in source and not os.path.exists(source):
+        return source.rsplit(":", 1)[1] + MANIFEST_SUFFIX
+    base = os.path.basename(source)
+    for suffix in (".safetensors.index.json", ".bin.index.json", ".index.json", ".safetensors",
+                   ".pt", ".pth", ".ckpt", ".bin"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return os.path.join(os.path.dirname(source), base + MANIFEST_SUFFIX)
+
+
+def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
+                       notes: list[str]) -> tuple[dict[str, TensorInfo], int]:
+    """Strip wrapper segments (refusing collisions), then the attribute prefix if asked."""
+    wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
+    mapping = keymod.canonical_map(tensors)
+    out = {mapping[k]: v for k, v in tensors.items()}
+    if wrapped:
+        kinds = Counter(s.name for k in tensors for s in keymod.segments_in(k)
+                        if s.where != "leftover")
+        listed = ", ".join(f"{n}x {name}." for name, n in kinds.most_common())
+        notes.append(f"{wrapped} key(s) carry wrapper segments ({listed}); planned the "
+                     "canonical model. Deployment needs a clean file: run `surgery export`.")
+    if prefix:
+        p = prefix if prefix.endswith(".") else f"{prefix}."
+        kept = {k[len(p):]: v for k, v in out.items() if k.startswith(p)}
+        if not kept:
+            raise CheckpointError(
+                f"no key starts with the prefix {p!r}", path="",
+                hint=f"keys start with e.g. {', '.join(repr(k) for k in list(out)[:3])}")
+        dropped = len(out) - len(kept)
+        if dropped:
+            notes.append(f"--prefix {p!r}: {dropped} key(s) outside it were left out of the plan")
+        out = kept
+    else:
+        common = keymod.common_attribute_prefix(out)
+        if common is not None:
+            notes.append(f"every key starts with {common!r} (e.g. a LightningModule's inner "
+                         f"model); if deployment loads the inner model, plan it with "
+                         f"--prefix {common}")
+    return out, wrapped
+
+
+def compile_defaults(*, backend: str | None = None, mode: str | None = None) -> dict[str, Any]:
+    """The manifest's [compile] table: DEFAULT_COMPILE with a backend / mode chosen on top.
+
+    Modes belong to inductor, so another backend drops the default mode unless one is given.
+    """
+    out = dict(DEFAULT_COMPILE)
+    if backend is not None:
+        out["backend"] = backend
+        if backend != "inductor":
+            out.pop("mode", None)
+            out.pop("emulate_precision_casts", None)
+    if mode is not None:
+        if out["backend"] != "inductor":
+            raise RegionError(f"--mode {mode!r} applies to the inductor backend only, not "
+                              f"{out['backend']!r}", hint="drop --mode, or use --backend inductor")
+        out["mode"] = mode
+    return out
+
+
+def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str,
+              include: Sequence[str], exclude: Sequence[str], extra: dict[str, Any],
+              compile: dict[str, Any] | None = None) -> Manifest:
+    found = find_regions(view, include=include, exclude=exclude)
+    groups: dict[tuple[str, str, str, str | None], list[Candidate]] = {}
+    for c in found.regions:
+        groups.setdefault((c.kind, c.callable, c.group, c.cls), []).append(c)
+    regions: list[Region] = []
+    covered = 0
+    for (kind, callable_, _group, cls), members in groups.items():
+        params = sum(view.numel(c.module_path) for c in members) if callable_ == "forward" else 0
+        covered += params
+        regions.append(Region(kind=kind, callable=callable_, module_class=cls,
+                              parameters=params if callable_ == "forward" else None,
+                              paths=sorted((c.path for c in members), key=natural_key)))
+    regions.sort(key=lambda r: natural_key(r.paths[0]))
+    model = {"source": source, **extra, "tensors": len(tensors),
+             "parameters": sum(t.numel for t in tensors.values()),
+             "covered_parameters": covered}
+    return Manifest(
+        fingerprint=compute_fingerprint(tensors), regions=regions,
+        compile=dict(compile or DEFAULT_COMPILE), warmup=dict(DEFAULT_WARMUP),
+        left_out=[LeftOut(p, k, r) for p, k, r in found.left_out], model=model)
+
+
+def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = None,
+                    include: Sequence[str] = (), exclude: Sequence[str] = (),
+                    compile: dict[str, Any] | None = None) -> PlanResult:
+    """Plan the canonical (prefix-free) model stored in a checkpoint."""
+    info: CheckpointInfo = read_checkpoint(path, key=key)
+    notes: list[str] = []
+    if info.entry is not None:
+        others = [c for c in info.candidates if c != info.entry]
+        also = f"; other state dicts: {', '.join(others)} (choose with --key)" if others else ""
+        notes.append(f"used the state dict in entry {info.entry!r}{also}")
+    if info.ignored:
+        notes.append(f"ignored non-tensor entries: {', '.join(info.ignored[:8])}")
+    if not info.tensors:
+        raise CheckpointError(f"{path}: holds no tensors", path=path,
+                              hint="save model.state_dict() into it")
+    tensors, wrapped = _canonical_tensors(info.tensors, prefix=prefix, notes=notes)
+    extra: dict[str, Any] = {"prefix": prefix} if prefix else {}
+    manifest = _manifest(view_from_tensors(tensors), tensors, source=os.path.basename(path),
+                         include=include, exclude=exclude, extra=extra, compile=compile)
+    if not any(r.callable == "method" for r in manifest.regions):
+        notes.append("a checkpoint cannot show methods (attn_pre, ffn_residual); plan the live "
+                     "model with --model package.module:factory to find them")
+    return PlanResult(manifest, path, notes, wrapped)
+
+
+# --- live models -------------------------------------------------------------------------------
+
+def load_factory(spec: str) -> Any:
+    """Resolve ``package.module:factory`` (the current folder is importable, as with python -m)."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ModelSourceError(f"--model {spec!r} is not of the form package.module:factory",
+                               hint="e.g. --model surgery.examples:tiny")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise ModelSourceError(f"--model {spec!r}: cannot import {mod_name!r}: "
+                               f"{e.__class__.__name__}: {e}",
+                               hint="check the module name and that it imports on its own"
+                               ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelSourceError(f"--model {spec!r}: {mod_name!r} has no attribute {part!r}",
+                                   hint="name a function or class that returns an nn.Module")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelSourceError(f"--model {spec!r} is not callable",
+                               hint="name a function or class that returns an nn.Module")
+    return obj
+
+
+def build_model(spec: str, *, notes: list[str] | None = None) -> Any:
+    """Build the model on the meta device (no memory, no init); on the CPU if that fails.
+
+    Some real constructors call `.item()` while building, which the meta device cannot answer.
+    """
+    import torch
+
+    factory = load_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = factory()
+        where = "meta"
+    except Exception as meta_err:  # any constructor failure on meta: retry for real
+        try:
+            model = factory()
+        except Exception as e:
+            raise ModelSourceError(f"--model {spec!r}: the factory failed: "
+                                   f"{e.__class__.__name__}: {e}",
+                                   hint="make the factory build the model without arguments"
+                                   ) from None
+        where = "cpu"
+        if notes is not None:
+            notes.append(f"built on the CPU: on the meta device the factory failed "
+                         f"({meta_err.__class__.__name__}: {str(meta_err)[:80]})")
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSourceError(f"--model {spec!r} returned a {type(model).__name__}, "
+                               "not an nn.Module", hint="return the model from the factory")
+    model._surgery_built_on = where  # noqa: SLF001 - informative for callers and tests
+    return model
+
+
+def view_from_module(model: Any) -> tuple[ModelView, dict[str, TensorInfo]]:
+    """A view of a live model: its state dict, plus classes and region-worthy methods."""
+    from surgery.regions import METHOD_KINDS, ModuleNode
+
+    tensors = {k: TensorInfo(tuple(v.shape), normalize_dtype(v.dtype))
+               for k, v in model.state_dict().items()}
+    view = view_from_tensors(tensors)
+    view.live = True
+    for path, mod in model.named_modules():
+        node = view.modules.setdefault(path, ModuleNode(path))
+        node.cls = type(mod).__name__
+        node.methods = frozenset(m for m in METHOD_KINDS
+                                 if callable(getattr(type(mod), m, None)))
+    return view, tensors
+
+
+def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str] = (),
+               compile: dict[str, Any] | None = None) -> PlanResult:
+    """Plan a live model built by a factory; it shows classes and method regions."""
+    notes: list[str] = []
+    model = build_model(spec, notes=notes)
+    view, tensors = view_from_module(model)
+    wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
+    if wrapped:
+        notes.append(f"the live model's state dict has {wrapped} wrapper-prefixed key(s); "
+                     "build it unwrapped (no torch.compile / DDP swapped in) before planning")
+    cls = f"{type(model).__module__}.{type(model).__qualname__}"
+    manifest = _manifest(view, tensors, source=spec, include=include, exclude=exclude,
+                         extra={"class": cls}, compile=compile)
+    return PlanResult(manifest, spec, notes, wrapped)

@@ -1,0 +1,293 @@
+"""Find compile regions in a model view. Pure: no I/O, no torch.
+
+A *model view* is what can be known of a model without running it: its module paths, their
+classes (live models only), the tensors each module owns, and the region-worthy methods a class
+defines (live models only). A checkpoint gives paths and tensors; a live model gives the rest.
+
+Candidates, strongest first, and why:
+1. ``--include`` globs: the user said so.
+2. Named blocks (``frame_block``, ``patch_embed_block``): LingBot-Map's fixed-shape blocks.
+3. Generic repeated blocks: children of a numbered container that share a class (live) or most
+   of their tensor layout (checkpoint), such as diffusers ``transformer_blocks.N``, HF
+   ``encoder.layer.N`` and timm ``blocks.N``. A whole block is a bigger graph than its parts.
+4. Sub-block named kinds (``attn_pre``, ``ffn_residual``, ``attn_proj``): the fixed-shape parts
+   of *streaming* blocks, whose attention over a growing KV cache changes shape every step.
+   Streaming blocks are never generic regions, so on LingBot's ``global_blocks.N`` the named
+   kinds win; where a whole block is a region, its ``attn.proj`` is left out.
+No region lies inside another: a candidate nested in (or containing) a stronger one is left
+out, and the plan records why.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from surgery.checkpoint import TensorInfo
+from surgery.errors import RegionError
+
+FRAME_BLOCK = "frame_block"
+PATCH_EMBED_BLOCK = "patch_embed_block"
+ATTN_PRE = "attn_pre"
+FFN_RESIDUAL = "ffn_residual"
+ATTN_PROJ = "attn_proj"
+REPEATED_BLOCK = "repeated_block"
+CUSTOM = "custom"
+
+# Methods that LingBot-Map's streaming blocks split out of their forward: fixed-shape pieces
+# around the attention over the KV cache. They own no parameters, so only a live model shows them.
+METHOD_KINDS: tuple[str, ...] = (ATTN_PRE, FFN_RESIDUAL)
+# Containers whose blocks stream over a growing KV cache (LingBot-Map's `global_blocks`). A
+# checkpoint cannot show the cache, so the name is the only sign there; a live model shows it
+# by the methods above.
+STREAMING_CONTAINERS: tuple[str, ...] = ("global_blocks",)
+# Attention output projections, the fixed-shape matmul inside a streaming block.
+ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
+# Two blocks count as the same repeated block when they share this much of their tensor layout
+# (SD3's last block lacks the context MLP that the others have).
+_SIMILARITY = 0.5
+
+_PRIORITY = {CUSTOM: 0, FRAME_BLOCK: 1, PATCH_EMBED_BLOCK: 1, REPEATED_BLOCK: 2,
+             ATTN_PRE: 3, FFN_RESIDUAL: 3, ATTN_PROJ: 3}
+
+
+@dataclass
+class ModuleNode:
+    path: str
+    cls: str | None = None  # class name, live models only
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # owned directly
+    methods: frozenset[str] = frozenset()  # region-worthy methods the class defines
+
+
+@dataclass
+class ModelView:
+    """Module paths with their classes, owned tensors and methods; "" is the root."""
+
+    modules: dict[str, ModuleNode]
+    live: bool = False
+
+    def children(self, path: str) -> list[str]:
+        depth = path.count(".") + 1 if path else 0
+        pre = f"{path}." if path else ""
+        return [p for p in self.modules if p.startswith(pre) and p and p.count(".") == depth]
+
+    def subtree_tensors(self, path: str) -> dict[str, TensorInfo]:
+        """Tensors under `path`, keyed relative to it."""
+        pre = f"{path}." if path else ""
+        out: dict[str, TensorInfo] = {}
+        for p, node in self.modules.items():
+            if p == path or p.startswith(pre) or not path:
+                rel = p[len(pre):] if p != path else ""
+                for name, t in node.tensors.items():
+                    out[f"{rel}.{name}" if rel else name] = t
+        return out
+
+    def numel(self, path: str) -> int:
+        return sum(t.numel for t in self.subtree_tensors(path).values())
+
+
+def view_from_tensors(tensors: Mapping[str, TensorInfo]) -> ModelView:
+    """A view from a state dict's keys: every key prefix is a module."""
+    modules: dict[str, ModuleNode] = {"": ModuleNode("")}
+    for key, info in tensors.items():
+        mod, _, name = key.rpartition(".")
+        parts = mod.split(".") if mod else []
+        for i in range(1, len(parts) + 1):
+            p = ".".join(parts[:i])
+            modules.setdefault(p, ModuleNode(p))
+        modules[mod].tensors[name] = info
+    return ModelView(modules)
+
+
+@dataclass
+class Candidate:
+    kind: str
+    path: str  # the compiled callable: a module path, or `<module path>.<method>`
+    callable: str = "forward"
+    group: str = ""  # regions of one kind split by this (container path for repeated blocks)
+    cls: str | None = None
+
+    @property
+    def module_path(self) -> str:
+        return self.path.rpartition(".")[0] if self.callable == "method" else self.path
+
+
+@dataclass
+class Found:
+    regions: list[Candidate]
+    left_out: list[tuple[str, str, str]]  # (path, kind, reason)
+
+
+def _is_index(s: str) -> bool:
+    return s.isdigit()
+
+
+def _segments(path: str) -> list[str]:
+    return path.split(".") if path else []
+
+
+def natural_key(path: str) -> list[object]:
+    """Sort `blocks.10` after `blocks.9`."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path)]
+
+
+def _named_kind(path: str) -> str | None:
+    seg = _segments(path)
+    if len(seg) >= 2 and _is_index(seg[-1]):
+        if seg[-2] == "frame_blocks":
+            return FRAME_BLOCK
+        if len(seg) >= 3 and seg[-3:-1] == ["patch_embed", "blocks"]:
+            return PATCH_EMBED_BLOCK
+    return None
+
+
+def _is_streaming(view: ModelView, path: str) -> bool:
+    seg = _segments(path)
+    node = view.modules[path]
+    return bool(node.methods) or (len(seg) >= 2 and seg[-2] in STREAMING_CONTAINERS)
+
+
+def _layout(view: ModelView, path: str) -> frozenset[str]:
+    return frozenset(f"{k}:{t.shape}" for k, t in view.subtree_tensors(path).items())
+
+
+def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:
+    """Numbered containers and the children that form one repeated block."""
+    out: list[tuple[str, list[str]]] = []
+    for path in view.modules:
+        kids = view.children(path)
+        if len(kids) < 2 or not all(_is_index(k.rsplit(".", 1)[-1]) for k in kids):
+            continue
+        if view.live:
+            common, _ = Counter(view.modules[k].cls for k in kids).most_common(1)[0]
+            members = [k for k in kids if view.modules[k].cls == common]
+        else:
+            layouts = {k: _layout(view, k) for k in kids}
+            ref = Counter(layouts.values()).most_common(1)[0][0]
+            members = [k for k in kids if layouts[k] and
+                       len(layouts[k] & ref) / max(1, len(layouts[k] | ref)) >= _SIMILARITY]
+        members = [k for k in members if view.subtree_tensors(k)]
+        if len(members) >= 2:
+            out.append((path, members))
+    return out
+
+
+def _candidates(view: ModelView) -> tuple[list[Candidate], list[tuple[str, str, str]]]:
+    found: dict[str, Candidate] = {}
+    notes: list[tuple[str, str, str]] = []
+    for container, members in _repeated_groups(view):
+        for m in members:
+            if _is_streaming(view, m):
+                notes.append((m, REPEATED_BLOCK, "streaming block: its attention over a growing "
+                              "KV cache changes shape every step; its fixed-shape parts are "
+                              "regions instead"))
+                continue
+            found[m] = Candidate(REPEATED_BLOCK, m, group=container, cls=view.modules[m].cls)
+    for path, node in view.modules.items():
+        kind = _named_kind(path)
+        if kind is not None:
+            found[path] = Candidate(kind, path, cls=node.cls)
+        seg = _segments(path)
+        if any(tuple(seg[-len(s):]) == s for s in ATTN_PROJ_SUFFIXES) and \
+                any(len(t.shape) == 2 for t in node.tensors.values()):
+            found[path] = Candidate(ATTN_PROJ, path, cls=node.cls)
+        for method in METHOD_KINDS:
+            if method in node.methods:
+                mp = f"{path}.{method}"
+                found[mp] = Candidate(method, mp, callable="method", cls=node.cls)
+    return list(found.values()), notes
+
+
+def _is_within(inner: str, outer: str) -> bool:
+    """Whether module path `inner` is `outer` or lies inside it ("" is the root)."""
+    return inner == outer or not outer or inner.startswith(f"{outer}.")
+
+
+def _overlaps(a: Candidate, b: Candidate) -> bool:
+    """Whether compiling both would nest one compiled callable inside the other.
+
+    A module's forward contains everything below it. A method contains only what it calls, which
+    a view cannot see, so a method overlaps only forwards at or above its own module; two
+    methods of one module do not overlap.
+    """
+    if a.callable == "method" and b.callable == "method":
+        return False
+    if a.callable == "method":
+        return _is_within(a.module_path, b.module_path)
+    if b.callable == "method":
+        return _is_within(b.module_path, a.module_path)
+    return _is_within(a.path, b.path) or _is_within(b.path, a.path)
+
+
+def _resolve(cands: Sequence[Candidate]) -> tuple[list[Candidate], list[tuple[str, str, str]]]:
+    order = sorted(cands, key=lambda c: (_PRIORITY.get(c.kind, 0), c.module_path.count("."),
+                                         natural_key(c.path)))
+    accepted: list[Candidate] = []
+    left: list[tuple[str, str, str]] = []
+    for c in order:
+        clash = next((a for a in accepted if _overlaps(a, c)), None)
+        if clash is None:
+            accepted.append(c)
+            continue
+        where = "inside" if _is_within(c.module_path, clash.module_path) else "contains"
+        left.append((c.path, c.kind, f"{where} {clash.kind} region {clash.path}"))
+    return accepted, left
+
+
+def _match(patterns: Iterable[str], path: str) -> str | None:
+    return next((p for p in patterns if fnmatch.fnmatchcase(path, p)), None)
+
+
+def find_regions(view: ModelView, *, include: Sequence[str] = (),
+                 exclude: Sequence[str] = ()) -> Found:
+    """Candidates -> non-overlapping regions, plus what was left out and why.
+
+    `include` globs add module (or `module.method`) paths as regions that win over every other
+    candidate; `exclude` globs drop regions after nesting is resolved. A glob that matches
+    nothing is an error, since a silent no-op is how regions go missing.
+    """
+    cands, notes = _candidates(view)
+    for pattern in include:
+        hits = [p for p in view.modules if p and fnmatch.fnmatchcase(p, pattern)]
+        hits += [c.path for c in cands if c.callable == "method"
+                 and fnmatch.fnmatchcase(c.path, pattern)]
+        if not hits:
+            raise RegionError(f"--include {pattern!r} matches no module in the model",
+                              region=pattern, hint=_closest_hint(view, pattern))
+        known = {c.path: c for c in cands}
+        for h in hits:
+            old = known.get(h)
+            cands = [c for c in cands if c.path != h]
+            cands.append(Candidate(CUSTOM, h, callable=old.callable if old else "forward",
+                                   group=pattern, cls=old.cls if old else view.modules[h].cls))
+    accepted, left = _resolve(cands)
+    kept: list[Candidate] = []
+    used: set[str] = set()
+    for c in accepted:
+        pat = _match(exclude, c.path)
+        if pat is None:
+            kept.append(c)
+        else:
+            used.add(pat)
+            left.append((c.path, c.kind, f"excluded by --exclude {pat!r}"))
+    unused = [p for p in exclude if p not in used]
+    if unused:
+        raise RegionError(f"--exclude {unused[0]!r} matches no region of the plan",
+                          region=unused[0], hint="run `surgery plan` without --exclude to see "
+                          "the region paths, then exclude one of them (globs such as "
+                          "'aggregator.frame_blocks.*' work)")
+    kept.sort(key=lambda c: natural_key(c.path))
+    left.extend(notes)
+    left.sort(key=lambda t: natural_key(t[0]))
+    return Found(kept, left)
+
+
+def _closest_hint(view: ModelView, pattern: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(pattern, [p for p in view.modules if p], n=1)
+    near = f"; did you mean {close[0]!r}?" if close else ""
+    return f"globs match dotted module paths such as 'aggregator.frame_blocks.*'{near}"
