@@ -1,0 +1,173 @@
+"""regions.find_regions on model views: named kinds, generic repeated blocks, nesting, globs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from surgery.checkpoint import TensorInfo
+from surgery.errors import RegionError
+from surgery.plan import view_from_module
+from surgery.regions import (
+    ATTN_PRE, ATTN_PROJ, FFN_RESIDUAL, FRAME_BLOCK, PATCH_EMBED_BLOCK, REPEATED_BLOCK,
+    find_regions, natural_key, view_from_tensors,
+)
+
+
+def _view(keys: dict[str, tuple[int, ...]]):
+    return view_from_tensors({k: TensorInfo(s, "F32") for k, s in keys.items()})
+
+
+def _block_keys(prefix: str, dim: int = 4, *, extra: tuple[str, ...] = ()) -> dict:
+    names = ["norm1.weight", "attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight",
+             "mlp.fc2.weight", *extra]
+    return {f"{prefix}.{n}": (dim, dim) if "weight" in n and "norm" not in n else (dim,)
+            for n in names}
+
+
+def _kinds(found) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for c in found.regions:
+        out.setdefault(c.kind, []).append(c.path)
+    return out
+
+
+def _assert_no_nesting(found) -> None:
+    mods = [c.module_path for c in found.regions if c.callable == "forward"]
+    for a in mods:
+        for b in mods:
+            assert a == b or not b.startswith(f"{a}."), f"{b} is nested in {a}"
+
+
+def test_lingbot_layout_from_checkpoint_keys() -> None:
+    keys: dict = {}
+    for i in range(3):
+        keys |= _block_keys(f"aggregator.frame_blocks.{i}")
+        keys |= _block_keys(f"aggregator.patch_embed.blocks.{i}")
+        keys |= _block_keys(f"aggregator.global_blocks.{i}")
+    found = find_regions(_view(keys))
+    kinds = _kinds(found)
+    assert kinds[FRAME_BLOCK] == [f"aggregator.frame_blocks.{i}" for i in range(3)]
+    assert kinds[PATCH_EMBED_BLOCK] == [f"aggregator.patch_embed.blocks.{i}" for i in range(3)]
+    assert kinds[ATTN_PROJ] == [f"aggregator.global_blocks.{i}.attn.proj" for i in range(3)]
+    assert REPEATED_BLOCK not in kinds  # streaming global blocks are never whole regions
+    _assert_no_nesting(found)
+    left = {(p, k): r for p, k, r in found.left_out}
+    assert left[("aggregator.frame_blocks.1.attn.proj", ATTN_PROJ)] == \
+        "inside frame_block region aggregator.frame_blocks.1"
+    assert "streaming" in left[("aggregator.global_blocks.0", REPEATED_BLOCK)]
+
+
+@pytest.mark.parametrize(
+    ("container", "n"),
+    [
+        pytest.param("transformer_blocks", 3, id="diffusers"),
+        pytest.param("encoder.layer", 4, id="hf-bert"),
+        pytest.param("model.layers", 2, id="hf-llama"),
+        pytest.param("blocks", 3, id="timm"),
+    ],
+)
+def test_generic_repeated_blocks_in_the_wild(container: str, n: int) -> None:
+    keys = {"embed.weight": (10, 4)}
+    for i in range(n):
+        keys |= _block_keys(f"{container}.{i}")
+    found = find_regions(_view(keys))
+    kinds = _kinds(found)
+    assert kinds == {REPEATED_BLOCK: [f"{container}.{i}" for i in range(n)]}
+    # The block's attn.proj is not a second region inside it.
+    assert all(r.startswith("inside repeated_block") for _, _, r in found.left_out)
+
+
+def test_blocks_whose_structure_differs_slightly_are_one_repeated_block() -> None:
+    # SD3: the last joint block has no context MLP.
+    keys: dict = {}
+    for i in range(4):
+        extra = () if i == 3 else ("ff_context.net.0.weight", "ff_context.net.2.weight")
+        keys |= _block_keys(f"transformer_blocks.{i}", extra=extra)
+    kinds = _kinds(find_regions(_view(keys)))
+    assert kinds[REPEATED_BLOCK] == [f"transformer_blocks.{i}" for i in range(4)]
+
+
+def test_diffusers_two_containers_and_to_out() -> None:
+    keys: dict = {}
+    for i in range(2):
+        keys |= {f"transformer_blocks.{i}.attn.to_out.0.weight": (4, 4),
+                 f"transformer_blocks.{i}.attn.to_q.weight": (4, 4)}
+        keys |= {f"single_transformer_blocks.{i}.attn.to_q.weight": (4, 4),
+                 f"single_transformer_blocks.{i}.proj_mlp.weight": (8, 4)}
+    kinds = _kinds(find_regions(_view(keys)))
+    assert sorted(kinds[REPEATED_BLOCK]) == sorted(
+        [f"transformer_blocks.{i}" for i in range(2)]
+        + [f"single_transformer_blocks.{i}" for i in range(2)])
+
+
+def test_a_single_numbered_child_is_not_repeated() -> None:
+    kinds = _kinds(find_regions(_view(_block_keys("blocks.0"))))
+    assert REPEATED_BLOCK not in kinds
+
+
+def test_live_model_shows_method_regions_and_classes() -> None:
+    from surgery.examples import tiny
+
+    with torch.device("meta"):
+        model = tiny()
+    view, _ = view_from_module(model)
+    found = find_regions(view)
+    kinds = _kinds(found)
+    assert kinds[ATTN_PRE] == [f"aggregator.global_blocks.{i}.attn_pre" for i in range(2)]
+    assert kinds[FFN_RESIDUAL] == [f"aggregator.global_blocks.{i}.ffn_residual" for i in range(2)]
+    # A method owns no submodule forward: attn.proj of the same block is still a region.
+    assert kinds[ATTN_PROJ] == [f"aggregator.global_blocks.{i}.attn.proj" for i in range(2)]
+    assert {c.cls for c in found.regions if c.kind == FRAME_BLOCK} == {"Block"}
+    _assert_no_nesting(found)
+
+
+def test_live_classes_split_repeated_blocks() -> None:
+    class A(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    class B(A):
+        pass
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([A(), A(), B()])
+    view, _ = view_from_module(model)
+    found = find_regions(view)
+    assert _kinds(found) == {REPEATED_BLOCK: ["layers.0", "layers.1"]}
+
+
+def test_include_wins_and_exclude_drops() -> None:
+    keys: dict = {}
+    for i in range(2):
+        keys |= _block_keys(f"aggregator.frame_blocks.{i}")
+        keys |= _block_keys(f"aggregator.global_blocks.{i}")
+    found = find_regions(_view(keys), include=["aggregator.global_blocks.*"],
+                         exclude=["aggregator.frame_blocks.1"])
+    kinds = _kinds(found)
+    assert kinds["custom"] == ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
+    assert kinds[FRAME_BLOCK] == ["aggregator.frame_blocks.0"]
+    reasons = {p: r for p, _, r in found.left_out}
+    assert reasons["aggregator.frame_blocks.1"] == "excluded by --exclude 'aggregator.frame_blocks.1'"
+    assert reasons["aggregator.global_blocks.0.attn.proj"].startswith("inside custom region")
+    _assert_no_nesting(found)
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude", "match"),
+    [
+        pytest.param(["aggregator.fram_blocks.*"], [], "--include", id="include-typo"),
+        pytest.param([], ["nothing.*"], "--exclude", id="exclude-matches-nothing"),
+    ],
+)
+def test_globs_that_match_nothing_fail_loudly(include, exclude, match) -> None:
+    keys = _block_keys("aggregator.frame_blocks.0") | _block_keys("aggregator.frame_blocks.1")
+    with pytest.raises(RegionError, match=match):
+        find_regions(_view(keys), include=include, exclude=exclude)
+
+
+def test_natural_order() -> None:
+    paths = ["b.10", "b.2", "b.1"]
+    assert sorted(paths, key=natural_key) == ["b.1", "b.2", "b.10"]
