@@ -15,9 +15,12 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from surgery.errors import CheckpointError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    from surgery.manifest import Manifest
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
@@ -45,6 +48,17 @@ _ST_ITEMSIZE = {
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
     "C64": 8, "C128": 16,
 }
+# Metadata keys that `surgery export` writes into every safetensors file (and the index of a
+# sharded export). `format=pt` is what safetensors' own torch loader expects.
+META_FORMAT = "format"
+META_FINGERPRINT = "surgery.fingerprint"
+META_MANIFEST = "surgery.manifest"  # the manifest's TOML text, exactly as its file holds it
+META_MANIFEST_SHA256 = "surgery.manifest_sha256"  # sha256 of that text (UTF-8), hex
+META_ALIASES = "surgery.aliases"  # JSON {alias: stored key}: tied tensors stored once
+META_SOURCE = "surgery.source"  # the file it was exported from (base name)
+META_DROPPED = "surgery.dropped"  # JSON list of keys left out (e.g. EMA `n_averaged`)
+META_VERSION = "surgery.version"
+
 # A header larger than this is not a real safetensors header (the format caps it at 100 MB).
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -113,8 +127,18 @@ def _require_file(path: str) -> int:
     return os.path.getsize(path)
 
 
-def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
-    """Parse a safetensors header: (tensors, metadata, data start offset). No torch import.
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """Where each tensor's bytes lie in a safetensors file (offsets are absolute)."""
+
+    tensors: dict[str, TensorInfo]
+    offsets: dict[str, tuple[int, int]]  # name -> (start, end), absolute file offsets
+    metadata: dict[str, str]
+    data_start: int
+
+
+def read_safetensors_layout(path: str) -> SafetensorsLayout:
+    """Parse a safetensors header into shapes, dtypes and absolute byte ranges. No torch import.
 
     A garbage file reads as an absurd header length; a truncated file can keep an intact header,
     so the largest data offset is compared with the file size.
@@ -139,26 +163,68 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str,
     if not isinstance(header, dict):
         raise CheckpointError(f"{bad} (header is not a JSON object)", path=path)
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{bad} (__metadata__ is not a JSON object)", path=path)
     tensors: dict[str, TensorInfo] = {}
+    offsets: dict[str, tuple[int, int]] = {}
     end = 0
     for name, info in header.items():
         try:
             dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
+            lo, hi = int(lo), int(hi)
             ti = TensorInfo(tuple(int(d) for d in shape), normalize_dtype(dtype))
             expected = ti.numel * _ST_ITEMSIZE.get(ti.dtype, 0)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{bad} (malformed entry for {name!r})", path=path,
                                   hint="the file is corrupt; re-export it") from None
-        if hi < lo or (expected and hi - lo != expected):
+        if lo < 0 or hi < lo or (expected and hi - lo != expected):
             raise CheckpointError(f"{bad} (data_offsets of {name!r} do not match its shape)",
                                   path=path, hint="the file is corrupt; re-export it")
         tensors[name] = ti
+        offsets[name] = (8 + n + lo, 8 + n + hi)
         end = max(end, hi)
     if 8 + n + end > size:
         raise CheckpointError(
             f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}",
             path=path, hint="the copy was cut short; copy or export it again")
-    return tensors, {str(k): str(v) for k, v in meta.items()}, 8 + n
+    metadata = {str(k): str(v) for k, v in meta.items()}
+    _expand_aliases(path, tensors, offsets, metadata)
+    return SafetensorsLayout(tensors, offsets, metadata, 8 + n)
+
+
+def _expand_aliases(path: str, tensors: dict[str, TensorInfo],
+                    offsets: dict[str, tuple[int, int]], metadata: dict[str, str]) -> None:
+    """Add the tied keys that `surgery export` stored once back under their own names.
+
+    Without this, a file exported from a model with tied weights would show fewer keys than the
+    model's state dict, and its fingerprint would not match the manifest planned for it.
+    """
+    raw = metadata.get(META_ALIASES)
+    if not raw:
+        return
+    try:
+        aliases = json.loads(raw)
+        assert isinstance(aliases, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise CheckpointError(f"{path}: metadata {META_ALIASES!r} is not a JSON object",
+                              path=path, hint="the file is corrupt; re-export it") from None
+    for alias, target in aliases.items():
+        if target not in tensors:
+            raise CheckpointError(f"{path}: alias {alias!r} points at {target!r}, which the file "
+                                  "does not hold", path=path, hint="re-export the checkpoint")
+        if alias not in tensors:
+            tensors[alias] = tensors[target]
+            offsets[alias] = offsets[target]
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """Parse a safetensors header: (tensors, metadata, data start offset). No torch import.
+
+    Tied keys that `surgery export` stored once (metadata ``surgery.aliases``) are listed under
+    their own names too, as the model's state dict lists them.
+    """
+    layout = read_safetensors_layout(path)
+    return layout.tensors, layout.metadata, layout.data_start
 
 
 def torch_load_safely(path: str) -> Any:
@@ -173,21 +239,25 @@ def torch_load_safely(path: str) -> Any:
         raise CheckpointError(f"{path}: empty file", path=path,
                               hint="the file has no data; save or copy the checkpoint again")
     import pickle
+    import warnings
 
     import torch
 
     try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            # A legacy (non-zip) pickle cannot be memory-mapped; it loads without mmap.
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns about pickle protocols and the like on stderr; the CLI owns stderr.
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                # A legacy (non-zip) pickle cannot be memory-mapped; it loads without mmap.
+                if "mmap" not in str(e):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
         culprit = _unsafe_global(msg)
-        if culprit is not None or "Weights only load failed" in msg and "GLOBAL" in msg:
+        if culprit is not None or ("Weights only load failed" in msg and "GLOBAL" in msg):
             raise UnsafeCheckpointError(
                 f"{path}: refused: loading it would run code it names ({culprit or 'a global'}); "
                 "surgery never executes a checkpoint",
@@ -217,11 +287,14 @@ def _first_line(msg: str) -> str:
 
 
 def _unsafe_global(msg: str) -> str | None:
+    """The global a refused pickle names (e.g. ``posix.system``), from torch's message."""
+    import re
+
+    m = re.search(r"GLOBAL ([\w.]+)", msg)
+    if m:
+        return m.group(1)
     for ln in msg.splitlines():
         ln = ln.strip()
-        for marker in ("Unsupported global: GLOBAL ", "Unsupported global: "):
-            if ln.startswith(marker):
-                return ln[len(marker):].split(" ")[0]
         if "Unsupported operand" in ln or "REDUCE" in ln:
             return ln[:120]
     return None
@@ -338,3 +411,68 @@ def _read_sharded(path: str, *, key: str | None) -> CheckpointInfo:
             + ", ".join(repr(k) for k in missing[:5]),
             path=path, hint="a shard is missing or stale; copy all shards together")
     return CheckpointInfo(path, "sharded", tensors, files=shards)
+
+
+def read_embedded_manifest(path: str) -> Manifest | None:
+    """The manifest that `surgery export --manifest` embedded in a file, or None if it has none.
+
+    `path` is an exported ``.safetensors`` file or the ``*.index.json`` of a sharded export.
+    Reads the header only and never imports torch, so the runtime can call it before building
+    its model. The embedded text is checked against its recorded sha256 and against the schema.
+    """
+    import hashlib
+
+    from surgery.errors import ManifestError
+    from surgery.manifest import parse_manifest
+
+    if checkpoint_kind(path) == "sharded":
+        meta = _index_metadata(path)
+        if META_MANIFEST not in meta:
+            shards = sorted(set(read_index(path).values()))
+            meta = read_safetensors_layout(shards[0]).metadata if shards and \
+                checkpoint_kind(shards[0]) == "safetensors" else {}
+    elif checkpoint_kind(path) == "safetensors":
+        meta = read_safetensors_layout(path).metadata
+    else:
+        return None  # a pickle cannot carry one; only `surgery export` output does
+    text = meta.get(META_MANIFEST)
+    if text is None:
+        return None
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    recorded = meta.get(META_MANIFEST_SHA256)
+    if recorded is not None and recorded != digest:
+        raise ManifestError(f"{path}: the embedded manifest does not match its recorded sha256",
+                            path=path, hint="the file was edited after export; export it again")
+    manifest = parse_manifest(text, path=f"{path}[{META_MANIFEST}]")
+    return manifest
+
+
+def _index_metadata(path: str) -> dict[str, str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f).get("metadata") or {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index", path=path,
+                              hint="an index is JSON with a 'weight_map' of key -> shard file"
+                              ) from None
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def load_exported(path: str) -> dict[str, Any]:
+    """Load a `surgery export` output (one file or a sharded index) as a state dict of tensors.
+
+    Tied tensors stored once come back under every name, sharing one tensor, so
+    ``model.load_state_dict(load_exported(path), strict=True)`` works on the unwrapped model.
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(set(read_index(path).values())) if checkpoint_kind(path) == "sharded" \
+        else [path]
+    out: dict[str, Any] = {}
+    for file in files:
+        aliases = json.loads(read_safetensors_layout(file).metadata.get(META_ALIASES, "{}"))
+        tensors = load_file(file)
+        for alias, target in aliases.items():
+            tensors[alias] = tensors[target]
+        out.update(tensors)
+    return out

@@ -7,7 +7,8 @@ deployable checkpoint is *prefix-free*: none of these segments anywhere in its k
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from surgery.errors import KeyCollisionError
 
@@ -115,3 +116,171 @@ def common_attribute_prefix(keys: Iterable[str]) -> str | None:
         elif head != first:
             return None
     return f"{first}." if first is not None else None
+
+
+# --- findings ----------------------------------------------------------------------------------
+
+# Stable finding codes. They are part of the CLI contract (CI logs grep for them): never renumber,
+# only add. SG0xx: key hygiene; SG1xx: the manifest against the checkpoint; SG2xx: tensor data.
+CODES: dict[str, str] = {
+    "SG001": ORIG_MOD.name,
+    "SG002": MODULE.name,
+    "SG003": FSDP_WRAPPED.name,
+    "SG004": CHECKPOINT_WRAPPED.name,
+    "SG005": FORWARD_MODULE.name,
+    "SG006": FLAT_PARAM.name,
+    "SG007": N_AVERAGED.name,
+    "SG008": "collision",
+    "SG009": "attribute-prefix",
+    "SG101": "fingerprint",
+    "SG102": "region-path",
+    "SG201": "non-finite",
+    "SG202": "float64",
+    "SG203": "shared-storage",
+}
+_CODE_OF_SEGMENT = {name: code for code, name in CODES.items()}
+
+ERROR = "error"  # makes `verify` exit 1
+NOTE = "note"  # shown, but the checkpoint still counts as clean
+
+# How many example keys a grouped finding shows; `--all` shows every key.
+EXAMPLES = 3
+
+
+@dataclass
+class Finding:
+    """One kind of problem, grouped: 816 `_orig_mod` keys are one finding with count 816.
+
+    `keys` holds every affected key (for `--all`), `examples` a few of them rendered as
+    ``original -> canonical`` (or whatever explains the problem best).
+    """
+
+    code: str
+    severity: str
+    title: str
+    wrapper: str | None
+    keys: list[str]
+    fix: str
+    examples: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+    def to_dict(self, *, all_keys: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "code": self.code, "severity": self.severity, "title": self.title,
+            "wrapper": self.wrapper, "count": self.count, "examples": list(self.examples),
+            "fix": self.fix,
+        }
+        if all_keys:
+            d["keys"] = list(self.keys)
+        if self.detail:
+            d["detail"] = dict(self.detail)
+        return d
+
+
+def export_command(source: str, *, key: str | None = None, prefix: str | None = None) -> str:
+    """The `surgery export` command line that fixes key findings in `source`."""
+    stem = source
+    for suffix in (".index.json", ".safetensors", ".ckpt", ".pth", ".pt", ".bin"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    extra = (f" --key {key}" if key else "") + (f" --prefix {prefix}" if prefix else "")
+    return f"surgery export {source}{extra} -o {stem}.clean.safetensors"
+
+
+def check_keys(keys: Iterable[str], *, source: str = "CHECKPOINT", key: str | None = None,
+               prefix: str | None = None) -> list[Finding]:
+    """Key-hygiene findings for a checkpoint's keys, one per segment kind, in code order.
+
+    Pure: `source`, `key` and `prefix` only shape the fix command shown to the user.
+    """
+    keys = list(keys)
+    fix = export_command(source, key=key, prefix=prefix)
+    by_segment: dict[str, list[str]] = {}
+    for k in keys:
+        for seg in segments_in(k):
+            by_segment.setdefault(seg.name, []).append(k)
+    findings: list[Finding] = []
+    for seg in (ORIG_MOD, MODULE, FSDP_WRAPPED, CHECKPOINT_WRAPPED, FORWARD_MODULE):
+        hit = by_segment.get(seg.name)
+        if not hit:
+            continue
+        where = "leading" if seg.where == "leading" else "anywhere in the key"
+        findings.append(Finding(
+            _CODE_OF_SEGMENT[seg.name], ERROR, f"wrapper segment `{seg.name}.` ({where})",
+            seg.wrapper, hit, fix, [f"{k} -> {canonical_key(k)}" for k in hit[:EXAMPLES]]))
+    flat = by_segment.get(FLAT_PARAM.name)
+    if flat:
+        findings.append(Finding(
+            "SG006", ERROR, "FSDP1 flat parameters: the per-parameter keys are gone",
+            FLAT_PARAM.wrapper, flat,
+            "re-save from the training job with FSDP use_orig_params=True or a full state dict "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict), then "
+            + fix.split(" -o ")[0] + " -o ...",
+            flat[:EXAMPLES]))
+    bookkeeping = by_segment.get(N_AVERAGED.name)
+    if bookkeeping:
+        findings.append(Finding(
+            "SG007", ERROR, "EMA bookkeeping saved with the weights (not part of the model)",
+            N_AVERAGED.wrapper, bookkeeping, f"{fix}  (export leaves it out)",
+            bookkeeping[:EXAMPLES]))
+    collisions = find_collisions(k for k in keys if not is_bookkeeping(k))
+    if collisions:
+        flat_keys = [k for ks in collisions.values() for k in ks]
+        findings.append(Finding(
+            "SG008", ERROR, "keys that would merge into one when the wrappers are stripped",
+            "two copies of the model in one file (e.g. an EMA `module.` copy beside the "
+            "online weights)",
+            flat_keys,
+            f"keep one copy: {export_command(source, key=key, prefix='module.')} exports the "
+            "`module.` copy; or re-save only the weights you deploy",
+            [" + ".join(ks) + f" -> {c}" for c, ks in list(collisions.items())[:EXAMPLES]],
+            {"collisions": collisions}))
+    return findings
+
+
+def is_bookkeeping(key: str) -> bool:
+    """True for EMA bookkeeping keys (`n_averaged`), which belong to no model parameter."""
+    return key.split(".")[-1] == N_AVERAGED.name and canonical_key(key) == N_AVERAGED.name
+
+
+def strip_prefix(keys: Iterable[str], prefix: str) -> tuple[dict[str, str], list[str]]:
+    """Select the keys under an attribute prefix (e.g. a LightningModule's ``model.``).
+
+    Returns (original key -> canonical key without the prefix, keys outside the prefix). A key
+    is under the prefix when the original key starts with it (so ``--prefix module.`` picks the
+    EMA/DDP copy out of a file that also holds the online weights) or, failing that, when its
+    canonical key does (so ``_orig_mod.model.x`` is under ``model.``).
+    """
+    if not prefix.endswith("."):
+        prefix += "."
+    kept: dict[str, str] = {}
+    outside: list[str] = []
+    for k in keys:
+        if k.startswith(prefix) and len(k) > len(prefix):
+            kept[k] = canonical_key(k[len(prefix):])
+            continue
+        c = canonical_key(k)
+        if c.startswith(prefix) and len(c) > len(prefix):
+            kept[k] = c[len(prefix):]
+        else:
+            outside.append(k)
+    return kept, outside
+
+
+def module_paths(keys: Iterable[str]) -> set[str]:
+    """Every module path the keys imply: ``a.b.weight`` -> {"", "a", "a.b"}.
+
+    A checkpoint cannot show modules that own no parameters or buffers (an activation, a
+    dropout), so a path missing here may still exist on the live model.
+    """
+    out: set[str] = {""}
+    for k in keys:
+        parts = k.split(".")[:-1]
+        for i in range(1, len(parts) + 1):
+            out.add(".".join(parts[:i]))
+    return out

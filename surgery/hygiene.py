@@ -1,0 +1,444 @@
+"""`verify` and `export`: prove a checkpoint is prefix-free, and write one that is.
+
+Library code: it returns reports and raises SurgeryErrors; it never prints. Progress goes
+through an optional ``progress(done_bytes, total_bytes)`` callback, which the CLI turns into a
+progress bar. Verifying a safetensors file reads its header only and never imports torch
+(`--deep` on safetensors scans the raw bytes with numpy, still without torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from surgery import __version__
+from surgery.checkpoint import (
+    META_DROPPED,
+    META_FINGERPRINT,
+    META_FORMAT,
+    META_MANIFEST,
+    META_MANIFEST_SHA256,
+    META_SOURCE,
+    META_VERSION,
+    CheckpointInfo,
+    TensorInfo,
+    read_checkpoint,
+)
+from surgery.errors import (
+    CheckpointError,
+    FingerprintMismatchError,
+    KeyCollisionError,
+    SurgeryError,
+)
+from surgery.keys import (
+    ERROR,
+    EXAMPLES,
+    FLAT_PARAM,
+    NOTE,
+    Finding,
+    canonical_key,
+    check_keys,
+    common_attribute_prefix,
+    is_bookkeeping,
+    module_paths,
+    strip_prefix,
+)
+from surgery.manifest import Manifest, compute_fingerprint, parse_manifest
+from surgery.stream import ProgressFn, nbytes
+
+# --- the model a checkpoint holds -----------------------------------------------------------
+
+
+@dataclass
+class ModelKeys:
+    """How a checkpoint's keys map onto the unwrapped model's keys.
+
+    `names` maps each original key that belongs to the model to its canonical name; `dropped`
+    lists keys that do not (EMA bookkeeping, keys outside `--prefix`), with the reason.
+    """
+
+    names: dict[str, str]
+    dropped: dict[str, str]
+    collisions: dict[str, list[str]]
+
+
+def model_keys(keys: list[str], *, prefix: str | None = None) -> ModelKeys:
+    """Canonical names of the model's keys: wrappers stripped, `prefix` selected and removed."""
+    dropped: dict[str, str] = {}
+    keep = []
+    for k in keys:
+        if is_bookkeeping(k):
+            dropped[k] = "EMA bookkeeping (AveragedModel n_averaged), not a model weight"
+        else:
+            keep.append(k)
+    if prefix:
+        names, outside = strip_prefix(keep, prefix)
+        for k in outside:
+            dropped[k] = f"outside --prefix {prefix}"
+    else:
+        names = {k: canonical_key(k) for k in keep}
+    groups: dict[str, list[str]] = {}
+    for k, c in names.items():
+        groups.setdefault(c, []).append(k)
+    collisions = {c: sorted(ks) for c, ks in sorted(groups.items()) if len(ks) > 1}
+    return ModelKeys(names, dropped, collisions)
+
+
+def model_fingerprint(tensors: Mapping[str, TensorInfo], *, prefix: str | None = None
+                      ) -> str | None:
+    """The fingerprint of the unwrapped model a checkpoint holds (None if keys collide).
+
+    This is the fingerprint `export` writes and a manifest planned for the checkpoint carries:
+    canonical keys, bookkeeping left out.
+    """
+    mk = model_keys(list(tensors), prefix=prefix)
+    if mk.collisions:
+        return None
+    return compute_fingerprint({c: tensors[k] for k, c in mk.names.items()})
+
+
+# --- verify ---------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    format: str
+    entry: str | None
+    prefix: str | None
+    tensors: int
+    fingerprint: str | None
+    findings: list[Finding]
+    manifest: str | None = None
+    deep: bool = False
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not any(f.severity == ERROR for f in self.findings)
+
+    @property
+    def problems(self) -> int:
+        return sum(f.count for f in self.findings if f.severity == ERROR)
+
+    def to_dict(self, *, all_keys: bool = False) -> dict[str, Any]:
+        return {
+            "path": self.path, "format": self.format, "entry": self.entry,
+            "prefix": self.prefix, "tensors": self.tensors, "fingerprint": self.fingerprint,
+            "manifest": self.manifest, "deep": self.deep, "clean": self.clean,
+            "findings": [f.to_dict(all_keys=all_keys) for f in self.findings],
+        }
+
+
+def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None = None,
+                      manifest: str | Manifest | None = None, deep: bool = False,
+                      progress: ProgressFn | None = None) -> VerifyReport:
+    """Check a checkpoint's key hygiene (and, optionally, its manifest and its data).
+
+    For a safetensors file this reads the header only and does not import torch.
+    """
+    m = _load_manifest(manifest) if manifest is not None else None
+    if prefix is None and m is not None and m.model.get("prefix"):
+        prefix = str(m.model["prefix"])  # the manifest was planned for the inner model
+    info = read_checkpoint(path, key=key)
+    findings = check_keys(info.tensors, source=path, key=key, prefix=prefix)
+    mk = model_keys(list(info.tensors), prefix=prefix)
+    fingerprint = None if mk.collisions else compute_fingerprint(
+        {c: info.tensors[k] for k, c in mk.names.items()})
+    if prefix is None:
+        common = common_attribute_prefix(mk.names.values())
+        if common is not None and len(mk.names) > 1:
+            findings.append(Finding(
+                "SG009", NOTE, f"every key starts with `{common}`", None, sorted(mk.names),
+                f"if `{common}` is a training wrapper's attribute (e.g. a LightningModule's), "
+                f"verify and export the inner model with --prefix {common}",
+                sorted(mk.names)[:EXAMPLES]))
+    elif not mk.names:
+        raise CheckpointError(f"{path}: no key is under --prefix {prefix}", path=path,
+                              hint="check the prefix against the keys (surgery verify --all)")
+    if m is not None:
+        findings.extend(_check_manifest(m, mk, fingerprint))
+    if deep:
+        findings.extend(_deep_findings(path, key=key, info=info, progress=progress))
+    return VerifyReport(path, info.format, info.entry, prefix, len(info.tensors), fingerprint,
+                        findings, manifest=_manifest_name(manifest), deep=deep,
+                        dropped=mk.dropped)
+
+
+def _manifest_name(manifest: str | Manifest | None) -> str | None:
+    if manifest is None or isinstance(manifest, str):
+        return manifest
+    return manifest.source_path
+
+
+def _load_manifest(manifest: str | Manifest) -> Manifest:
+    if isinstance(manifest, Manifest):
+        return manifest
+    return parse_manifest(_read_manifest_text(manifest), path=manifest)
+
+
+def _read_manifest_text(path: str) -> str:
+    from surgery.errors import ManifestError
+
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no such manifest", path=path,
+                            hint="plan one with `surgery plan CHECKPOINT`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: cannot read it as UTF-8 text ({e.__class__.__name__})",
+                            path=path, hint="a manifest is TOML text written by `surgery plan`"
+                            ) from None
+
+
+def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None) -> list[Finding]:
+    out: list[Finding] = []
+    src = m.source_path or "MANIFEST"
+    if fingerprint is not None and m.fingerprint != fingerprint:
+        out.append(Finding(
+            "SG101", ERROR, "the manifest was planned for a different checkpoint", None,
+            [], f"plan it again for this checkpoint: surgery plan CHECKPOINT -o {src} --force",
+            [f"manifest {m.fingerprint}", f"checkpoint {fingerprint}"],
+            {"expected": m.fingerprint, "actual": fingerprint}))
+        out[-1].keys = ["model.fingerprint"]
+    tree = module_paths(mk.names.values())
+    missing_required: list[str] = []
+    missing_optional: list[str] = []
+    for region in m.regions:
+        for p in region.paths:
+            module = p if region.callable == "forward" else p.rpartition(".")[0]
+            if module not in tree:
+                (missing_required if region.required else missing_optional).append(p)
+    for severity, missing, what in ((ERROR, missing_required, "required"),
+                                    (NOTE, missing_optional, "optional")):
+        if missing:
+            out.append(Finding(
+                "SG102", severity, f"{what} region paths not in the checkpoint's module tree",
+                None, missing,
+                f"fix the paths in {src} or plan it again (surgery plan CHECKPOINT); modules "
+                "without parameters cannot be seen in a checkpoint",
+                missing[:EXAMPLES]))
+    return out
+
+
+# --- verify --deep --------------------------------------------------------------------------
+
+
+def _deep_findings(path: str, *, key: str | None, info: CheckpointInfo,
+                   progress: ProgressFn | None) -> list[Finding]:
+    """Read every tensor's bytes once: non-finite values, float64 tensors, shared storage."""
+    from surgery.stream import open_source
+
+    findings: list[Finding] = []
+    f64 = sorted(k for k, t in info.tensors.items() if t.dtype == "F64")
+    if f64:
+        findings.append(Finding(
+            "SG202", ERROR, "float64 tensors (usually a stray .double() in training)", None, f64,
+            "cast them in the training code, or before export: "
+            "{k: v.float() if v.dtype == torch.float64 else v for k, v in sd.items()}",
+            [f"{k} {list(info.tensors[k].shape)}" for k in f64[:EXAMPLES]]))
+    src = open_source(path, key=key)
+    try:
+        seen: set[Any] = set()
+        todo = []
+        for k in sorted(src.infos):
+            ident = src.identity(k)
+            if ident not in seen:
+                seen.add(ident)
+                todo.append(k)
+        total = sum(nbytes(src.infos[k]) for k in todo)
+        done = 0
+        if progress is not None:
+            progress(0, total)
+        bad: dict[str, tuple[int, int]] = {}
+        for k in todo:
+            dtype = src.infos[k].dtype
+            nan = inf = 0
+            for piece in src.chunks(k):
+                a, b = count_nonfinite(piece, dtype)
+                nan, inf = nan + a, inf + b
+                done += len(piece)
+                if progress is not None:
+                    progress(done, total)
+            if nan or inf:
+                bad[k] = (nan, inf)
+        storages: dict[Any, list[str]] = {}
+        for k in sorted(src.infos):
+            storages.setdefault(src.storage(k), []).append(k)
+    finally:
+        src.close()
+    if bad:
+        findings.append(Finding(
+            "SG201", ERROR, "tensors holding NaN or Inf", None, sorted(bad),
+            "find the step that diverged and export an earlier checkpoint",
+            [f"{k}: {n} NaN, {i} Inf" for k, (n, i) in sorted(bad.items())[:EXAMPLES]],
+            {"counts": {k: {"nan": n, "inf": i} for k, (n, i) in sorted(bad.items())}}))
+    shared = [ks for ks in storages.values() if len(ks) > 1]
+    if shared:
+        findings.append(Finding(
+            "SG203", NOTE, "tensors sharing one storage (tied weights or views)", None,
+            [k for ks in shared for k in ks],
+            "nothing to do: export stores tied tensors once and records the aliases",
+            [" = ".join(ks) for ks in shared[:EXAMPLES]], {"groups": shared}))
+    return findings
+
+
+# Exponent and mantissa bit masks of the float formats: a value is Inf or NaN when its exponent
+# bits are all set (NaN when its mantissa is not zero). Works on raw bytes, so it needs numpy
+# only, not torch, and handles bfloat16, which numpy has no type for.
+_FLOAT_BITS: dict[str, tuple[str, int, int]] = {
+    "F64": ("<u8", 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+    "F32": ("<u4", 0x7F800000, 0x007FFFFF),
+    "F16": ("<u2", 0x7C00, 0x03FF),
+    "BF16": ("<u2", 0x7F80, 0x007F),
+    "F8_E5M2": ("u1", 0x7C, 0x03),
+    "C64": ("<u4", 0x7F800000, 0x007FFFFF),
+    "C128": ("<u8", 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+}
+
+
+def count_nonfinite(data: memoryview | bytes, dtype: str) -> tuple[int, int]:
+    """(NaN count, Inf count) in raw little-endian bytes of `dtype`; (0, 0) for integers."""
+    import numpy as np
+
+    if dtype == "F8_E4M3":  # no Inf; NaN is S.1111.111
+        x = np.frombuffer(data, dtype="u1")
+        return int(np.count_nonzero((x & 0x7F) == 0x7F)), 0
+    if dtype not in _FLOAT_BITS:
+        return 0, 0
+    np_dtype, exp, mant = _FLOAT_BITS[dtype]
+    x = np.frombuffer(data, dtype=np_dtype)
+    top = (x & x.dtype.type(exp)) == x.dtype.type(exp)
+    if not top.any():
+        return 0, 0
+    has_mant = (x & x.dtype.type(mant)) != 0
+    nan = int(np.count_nonzero(top & has_mant))
+    return nan, int(np.count_nonzero(top)) - nan
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ExportResult:
+    source: str
+    files: list[str]
+    index: str | None
+    entry: str | None
+    prefix: str | None
+    tensors: int  # keys of the unwrapped model (aliases included)
+    stored: int  # tensors stored (tied tensors once)
+    renamed: int  # keys whose name changed
+    aliases: dict[str, str]
+    dropped: dict[str, str]
+    fingerprint: str
+    bytes_written: int
+    seconds: float
+    manifest_sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def export_checkpoint(path: str, *, out: str, key: str | None = None,
+                      prefix: str | None = None, manifest: str | None = None,
+                      max_shard_size: int | None = None, force: bool = False,
+                      progress: ProgressFn | None = None) -> ExportResult:
+    """Write the checkpoint's unwrapped model as prefix-free safetensors, atomically.
+
+    Refuses keys that would merge (listing both originals) and FSDP flat parameters. Tied
+    tensors are stored once with their aliases in the metadata. With `manifest`, its
+    fingerprint must match, and its text and sha256 are embedded so the file is one deployable
+    artifact (see `checkpoint.read_embedded_manifest`).
+    """
+    from surgery.stream import Planned, open_source, write_safetensors
+
+    started = time.perf_counter()
+    if not out.endswith(".safetensors"):
+        raise SurgeryError(f"output {out!r} does not end in .safetensors",
+                           hint="name it e.g. model.safetensors (shards are named from it)")
+    manifest_text: str | None = None
+    m: Manifest | None = None
+    if manifest is not None:
+        manifest_text = _read_manifest_text(manifest)
+        m = parse_manifest(manifest_text, path=manifest)
+        if prefix is None and m.model.get("prefix"):
+            prefix = str(m.model["prefix"])
+    src = open_source(path, key=key)
+    try:
+        _refuse_same_file(out, [*src.info.files, path])
+        keys = list(src.infos)
+        flat = [k for k in keys if FLAT_PARAM.name in k.split(".")]
+        if flat:
+            raise CheckpointError(
+                f"{path}: holds FSDP1 flat parameters ({flat[0]!r}); the per-parameter tensors "
+                "are not in the file", path=path,
+                hint="re-save with FSDP use_orig_params=True or a full state dict, then export")
+        mk = model_keys(keys, prefix=prefix)
+        if mk.collisions:
+            items = list(mk.collisions.items())
+            shown = "; ".join(" + ".join(repr(k) for k in ks) + f" -> {c!r}"
+                              for c, ks in items[:5])
+            more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+            raise KeyCollisionError(
+                f"{path}: {len(items)} key(s) would merge into one: {shown}{more}",
+                collisions=mk.collisions,
+                hint="the file holds two copies of the model (e.g. an EMA `module.` copy beside "
+                "the online weights): pick one with --prefix module. or --key ENTRY")
+        if not mk.names:
+            raise CheckpointError(f"{path}: nothing to export (no key is under --prefix "
+                                  f"{prefix})", path=path, hint="check the prefix")
+        model = {c: src.infos[k] for k, c in mk.names.items()}
+        fingerprint = compute_fingerprint(model)
+        if m is not None and m.fingerprint != fingerprint:
+            raise FingerprintMismatchError(
+                f"{manifest}: planned for a different checkpoint (manifest {m.fingerprint}, "
+                f"this checkpoint {fingerprint})", expected=m.fingerprint, actual=fingerprint,
+                hint=f"plan the manifest for this checkpoint: surgery plan {path}")
+        # Tied tensors: the first canonical name of each group stores the bytes.
+        stored_as: dict[Any, str] = {}
+        aliases: dict[str, str] = {}
+        planned: list[Planned] = []
+        for k, c in sorted(mk.names.items(), key=lambda kc: kc[1]):
+            ident = src.identity(k)
+            if ident in stored_as:
+                aliases[c] = stored_as[ident]
+                continue
+            stored_as[ident] = c
+            planned.append(Planned(c, src.infos[k], src, k))
+        metadata = {META_FORMAT: "pt", META_FINGERPRINT: fingerprint,
+                    META_SOURCE: os.path.basename(path), META_VERSION: __version__}
+        sha = None
+        if manifest_text is not None:
+            sha = hashlib.sha256(manifest_text.encode("utf-8")).hexdigest()
+            metadata[META_MANIFEST] = manifest_text
+            metadata[META_MANIFEST_SHA256] = sha
+        if mk.dropped:
+            import json
+
+            metadata[META_DROPPED] = json.dumps(sorted(mk.dropped))
+        written = write_safetensors(out, planned, metadata=metadata, aliases=aliases,
+                                    max_shard_size=max_shard_size, force=force,
+                                    progress=progress)
+    finally:
+        src.close()
+    return ExportResult(
+        source=path, files=written.files, index=written.index, entry=src.info.entry,
+        prefix=prefix, tensors=len(mk.names), stored=len(planned),
+        renamed=sum(1 for k, c in mk.names.items() if k != c), aliases=aliases,
+        dropped=mk.dropped, fingerprint=fingerprint, bytes_written=written.bytes_written,
+        seconds=time.perf_counter() - started, manifest_sha256=sha)
+
+
+def _refuse_same_file(out: str, inputs: list[str]) -> None:
+    """The input is never modified: refuse an output path that is one of the input files."""
+    target = os.path.realpath(out)
+    for p in inputs:
+        if os.path.realpath(p) == target:
+            raise SurgeryError(f"output {out!r} is the input file",
+                               hint="export to a new file; the input is never modified")
