@@ -436,6 +436,11 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
             body = {"metadata": {"total_size": total, **metadata},
                     "weight_map": dict(sorted(weight_map.items()))}
             write_text_atomic(index, json.dumps(body, indent=2) + "\n", force=True)
+    except OSError as e:
+        from surgery.errors import SurgeryError
+
+        raise SurgeryError(f"{out}: cannot write the export: {e.strerror or e}",
+                           hint="check the folder exists, is writable and has room") from None
     finally:
         for tmp in temps:
             if os.path.exists(tmp):
