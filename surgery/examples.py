@@ -33,6 +33,7 @@ class ExampleConfig:
     height: int = 28
     width: int = 42
     mlp_ratio: int = 4
+    window: int = 4  # frames the KV cache keeps (a sliding window, as streaming models do)
 
     @property
     def tokens(self) -> int:
@@ -117,12 +118,13 @@ class GlobalBlock(nn.Module):
     (the cache grows each step), so the block as a whole is not a good compile region.
     """
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+    def __init__(self, dim: int, heads: int, mlp_ratio: int, window: int = 4) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, dim * mlp_ratio)
+        self.window = window
         # Streaming state: one (k, v) pair per frame. Not a buffer, so not in the state dict.
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -139,6 +141,8 @@ class GlobalBlock(nn.Module):
         q, k, v = self.attn_pre(x)
         # The cache keeps the region's outputs themselves, as streaming models do.
         self.kv_cache.append((k, v))
+        if len(self.kv_cache) > self.window:
+            self.kv_cache.pop(0)
         keys = torch.cat([kv[0] for kv in self.kv_cache], dim=2)
         values = torch.cat([kv[1] for kv in self.kv_cache], dim=2)
         o = F.scaled_dot_product_attention(q, keys, values)
@@ -152,8 +156,8 @@ class Aggregator(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.frame_blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio)
                                           for _ in range(cfg.depth))
-        self.global_blocks = nn.ModuleList(GlobalBlock(cfg.dim, cfg.heads, cfg.mlp_ratio)
-                                           for _ in range(cfg.depth))
+        self.global_blocks = nn.ModuleList(
+            GlobalBlock(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.window) for _ in range(cfg.depth))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images)

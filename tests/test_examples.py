@@ -47,3 +47,11 @@ def test_hand_compiled_checkpoint_has_orig_mod_keys(tmp_path) -> None:
     n = save_hand_compiled_checkpoint(str(tmp_path / "x.pt"))
     sd = torch.load(tmp_path / "x.pt", weights_only=True)["state_dict"]
     assert n == sum("._orig_mod." in k for k in sd) > 0
+
+
+def test_kv_cache_is_a_sliding_window() -> None:
+    model = tiny().eval()
+    with torch.no_grad():
+        for i in range(model.config.window + 3):
+            model(model.example_input(seed=i))
+    assert len(model.aggregator.global_blocks[0].kv_cache) == model.config.window
