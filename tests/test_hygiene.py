@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from wrapped import BUILDERS, gloo_group
 
 from surgery.checkpoint import (
     META_ALIASES,
@@ -30,7 +32,6 @@ from surgery.errors import (
 from surgery.examples import tiny
 from surgery.hygiene import count_nonfinite, export_checkpoint, verify_checkpoint
 from surgery.manifest import Manifest, Region, compute_fingerprint, dumps_manifest
-from wrapped import BUILDERS, gloo_group
 
 CLEAN_KEYS = set(tiny().state_dict())
 
@@ -79,9 +80,10 @@ def test_real_wrappers_verify_export_roundtrip(name: str, tmp_path, request) -> 
 
 def test_regional_compile_findings_are_grouped() -> None:
     """LingBot-Map's recipe at LingBot size (meta device): one finding, not one per key."""
+    from wrapped import _regional
+
     from surgery.examples import LINGBOT, ExampleModel
     from surgery.keys import check_keys
-    from wrapped import _regional
 
     with torch.device("meta"):
         m = _regional(ExampleModel(LINGBOT))
@@ -176,7 +178,7 @@ def test_export_embeds_manifest_and_runtime_reads_it(tmp_path) -> None:
     torch.save(sd, src)
     man = _manifest_file(tmp_path, compute_fingerprint(tiny().state_dict()),
                          ["aggregator.frame_blocks.0"])
-    text = open(man, encoding="utf-8").read()
+    text = Path(man).read_text(encoding="utf-8")
     out = str(tmp_path / "deploy.safetensors")
     result = export_checkpoint(src, out=out, manifest=man)
     meta = read_safetensors_layout(out).metadata
@@ -200,10 +202,10 @@ def test_tampered_embedded_manifest_is_refused(tmp_path) -> None:
     save_file(sd, src)
     out = str(tmp_path / "d.safetensors")
     export_checkpoint(src, out=out, manifest=man)
-    raw = bytearray(open(out, "rb").read())
+    raw = bytearray(Path(out).read_bytes())
     i = raw.find(b"frame_blocks.0")
     raw[i:i + 14] = b"frame_blocks.1"
-    open(out, "wb").write(raw)
+    Path(out).write_bytes(bytes(raw))
     with pytest.raises(ManifestError, match="sha256"):
         read_embedded_manifest(out)
 
@@ -260,7 +262,7 @@ def test_deep_finds_nonfinite_and_float64(tmp_path) -> None:
         src = str(tmp_path / name)
         save(sd, src)
         seen: list[tuple[int, int]] = []
-        report = verify_checkpoint(src, deep=True, progress=lambda d, t: seen.append((d, t)))
+        report = verify_checkpoint(src, deep=True, progress=lambda d, t, s=seen: s.append((d, t)))
         codes = {f.code: f for f in report.findings}
         assert codes["SG201"].keys == ["head.bias"]
         assert codes["SG201"].detail["counts"]["head.bias"] == {"nan": 1, "inf": 1}
@@ -292,7 +294,7 @@ def test_sharded_export_and_verify(tmp_path) -> None:
     assert result.index == str(tmp_path / "model.safetensors.index.json")
     assert len(result.files) > 2
     assert all(os.path.basename(f).startswith("model-0000") for f in result.files)
-    index = json.load(open(result.index))
+    index = json.loads(Path(result.index).read_text())
     assert index["metadata"]["total_size"] == result.bytes_written - sum(
         read_safetensors_layout(f).data_start for f in result.files)
     assert set(index["weight_map"]) == CLEAN_KEYS
@@ -350,7 +352,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path) -> None:
     for call in (lambda: verify_checkpoint(src),
                  lambda: verify_checkpoint(src, deep=True),
                  lambda: export_checkpoint(src, out=str(tmp_path / "o.safetensors"))):
-        with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
             call()
     assert not marker.exists()
     assert not os.path.exists(tmp_path / "o.safetensors")
