@@ -64,7 +64,7 @@ def segments_in(key: str) -> list[Segment]:
     """The wrapper segments that make `key` non-canonical, or are leftovers, in key order."""
     parts = key.split(".")
     found: list[Segment] = []
-    by_name = {s.name: s for s in (*STRIPPABLE, FLAT_PARAM, N_AVERAGED)}
+    by_name = {s.name: s for s in (*STRIPPABLE, FLAT_PARAM)}
     for p in parts:
         if p in by_name and by_name[p] not in found:
             found.append(by_name[p])
@@ -72,6 +72,10 @@ def segments_in(key: str) -> list[Segment]:
     rest = [p for p in parts if p not in _ANYWHERE]
     if len(rest) > 1 and rest[0] == MODULE.name:
         found.append(MODULE)
+    # AveragedModel's counter sits at the top of its state dict; a model's own buffer of that
+    # name deeper down is the model's business.
+    if canonical_key(key) == N_AVERAGED.name:
+        found.append(N_AVERAGED)
     return found
 
 
