@@ -1,0 +1,281 @@
+"""Regional compile on one GPU: the example model at LingBot size, arm by arm, side by side.
+
+Model: `surgery.examples.lingbot()` (dim 1024; 24 patch-embed, 24 frame and 24 global blocks;
+16 heads), bf16, streaming one 378x518 frame per step with the KV cache warm (its window is
+filled eagerly before any arm compiles, so every arm starts from the same state).
+
+Arms (each in a fresh process, all in one call):
+  eager          the model as it is
+  whole          torch.compile(model), default inductor
+  hand           LingBot-Map's demo.py recipe: frame and patch-embed blocks *swapped* for
+                 torch.compile(block, mode="reduce-overhead"); attn_pre, ffn_residual and
+                 attn.proj compiled on every global block; 1 eager + 3 compiled warm-up passes;
+                 cudagraph_mark_step_begin() before every forward
+  hand_clone     the same, with attn_pre's outputs cloned by hand (what a user must add to
+                 keep a KV cache of them alive across replays)
+  surgery        `surgery plan` of the live model, then apply_manifest with its defaults
+  surgery_cg     the same manifest planned with --backend cudagraphs
+  surgery_pe     the default manifest plus the whole patch embed as one region
+                 (--include aggregator.patch_embed): 1 graph replay instead of 24
+
+For each arm: cold start (compile + warm-up, s), steady per-frame latency (median and p90 over
+50 frames, CUDA events, synchronised each frame), peak GPU memory, how many state-dict keys
+changed, and the largest relative output difference from eager over the same frames.
+
+    python benchmarks/gpu_regions.py --all [--out results.json]      # every arm, fresh processes
+    python benchmarks/gpu_regions.py --arm surgery --frames 60          # one arm, this process
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+ARMS = ("eager", "whole", "hand", "hand_clone", "surgery", "surgery_cg", "surgery_pe")
+TIMED = 50
+DISTINCT_FRAMES = 8
+
+
+def bf16_model() -> Any:
+    """The factory `surgery plan --model gpu_regions:bf16_model` plans (dtype matters to the
+    fingerprint, so the plan is of the bf16 model that is deployed)."""
+    import torch
+
+    from surgery.examples import lingbot, tiny
+
+    size = os.environ.get("GPU_REGIONS_SIZE", "lingbot")
+    return (tiny() if size == "tiny" else lingbot()).to(torch.bfloat16)
+
+
+def build(device: str) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = bf16_model().eval()
+    return model
+
+
+def frames(model: Any, n: int) -> list[Any]:
+    return [model.example_input(seed=1000 + i) for i in range(n)]
+
+
+def snapshot_cache(model: Any) -> list[list[Any]]:
+    return [list(b.kv_cache) for b in model.aggregator.global_blocks]
+
+
+def restore_cache(model: Any, saved: list[list[Any]]) -> None:
+    for blk, cache in zip(model.aggregator.global_blocks, saved, strict=True):
+        blk.kv_cache[:] = cache
+
+
+def warm_pass(model: Any, x: Any, call: Any = None) -> None:
+    """One warm-up forward that leaves the stream as it was (the cache is restored)."""
+    saved = snapshot_cache(model)
+    (call or model)(x)
+    restore_cache(model, saved)
+
+
+def hand_recipe(model: Any, *, clone: bool) -> None:
+    """LingBot-Map's compile_model, as published: swap blocks, compile methods and attn.proj."""
+    import torch
+
+    agg = model.aggregator
+    for blocks in (agg.frame_blocks, agg.patch_embed.blocks):
+        for i in range(len(blocks)):
+            blocks[i] = torch.compile(blocks[i], mode="reduce-overhead")
+    for blk in agg.global_blocks:
+        pre = torch.compile(blk.attn_pre, mode="reduce-overhead")
+        if clone:
+            blk.attn_pre = (lambda f: lambda x: tuple(t.clone() for t in f(x)))(pre)
+        else:
+            blk.attn_pre = pre
+        blk.ffn_residual = torch.compile(blk.ffn_residual, mode="reduce-overhead")
+        blk.attn.proj = torch.compile(blk.attn.proj, mode="reduce-overhead")
+
+
+def plan_manifest(arm: str) -> Any:
+    from surgery.plan import compile_defaults, plan_model
+
+    include = ("aggregator.patch_embed",) if arm == "surgery_pe" else ()
+    comp = compile_defaults(backend="cudagraphs") if arm == "surgery_cg" else None
+    return plan_model("gpu_regions:bf16_model", include=include, compile=comp).manifest
+
+
+def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = dev == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict[str, Any] = {"arm": arm}
+    plan_s = 0.0
+    manifest = None
+    if arm.startswith("surgery"):
+        t = time.perf_counter()
+        manifest = plan_manifest(arm)
+        plan_s = time.perf_counter() - t
+    model = build(dev)
+    xs = frames(model, DISTINCT_FRAMES)
+    warm_x = model.example_input(seed=7)
+    keys_before = set(model.state_dict())
+    window = model.config.window
+    with torch.no_grad():
+        for i in range(window):  # fill the KV cache eagerly: every arm starts warm
+            model(xs[i % len(xs)])
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    mark = torch.compiler.cudagraph_mark_step_begin
+    call = model
+    handle = None
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if arm == "whole":
+            call = torch.compile(model)
+            keys_after = set(call.state_dict())
+            warm_pass(model, warm_x, call)
+        elif arm in ("hand", "hand_clone"):
+            warm_pass(model, warm_x)  # 1 eager pass, as the recipe does
+            hand_recipe(model, clone=arm == "hand_clone")
+            keys_after = set(model.state_dict())
+            for _ in range(3):
+                mark()
+                warm_pass(model, warm_x)
+        elif manifest is not None:
+            from surgery import apply_manifest
+
+            handle = apply_manifest(model, manifest, warmup=lambda m: warm_pass(m, warm_x))
+            keys_after = set(model.state_dict())
+            counts = handle.report.counts()
+            out["report"] = counts
+            out["regions_compiled"] = counts.get("compiled", 0)
+            out["regions_total"] = len(handle.report)
+        else:
+            keys_after = keys_before
+            warm_pass(model, warm_x)
+        sync()
+        cold = time.perf_counter() - t0
+        step = arm not in ("eager", "whole")
+        times: list[float] = []
+        outputs: list[Any] = []
+        for i in range(n_frames):
+            x = xs[(window + i) % len(xs)]
+            if step:
+                mark()
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                y = call(x)
+                end.record()
+                sync()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                y = call(x)
+                times.append((time.perf_counter() - t) * 1e3)
+            outputs.append(y.float().cpu())
+    timed = times[-TIMED:]
+    q = statistics.quantiles(timed, n=10)
+    out.update(
+        cold_s=round(cold, 3), plan_s=round(plan_s, 3),
+        median_ms=round(statistics.median(timed), 3), p90_ms=round(q[8], 3),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else 0.0,
+        changed_keys=len(keys_before - keys_after),
+        gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+    )
+    ref_path = os.environ.get("GPU_REGIONS_REF")
+    if ref_path:
+        if arm == "eager":
+            torch.save(outputs, ref_path)
+        elif os.path.exists(ref_path):
+            ref = torch.load(ref_path)
+            out["max_rel_diff"] = max(
+                float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+                for a, b in zip(outputs, ref, strict=True))
+    if handle is not None:
+        handle.restore()
+    return out
+
+
+def run_all(arms: list[str], n_frames: int, timeout: int) -> list[dict[str, Any]]:
+    ref = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_regions_ref_{os.getpid()}.pt")
+    results = []
+    for arm in arms:
+        env = {**os.environ, "GPU_REGIONS_REF": ref}
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--arm", arm, "--frames", str(n_frames)],
+                capture_output=True, text=True, timeout=timeout, env=env)
+            line = next((ln for ln in reversed(proc.stdout.splitlines())
+                         if ln.startswith("{")), None)
+            res = json.loads(line) if line else {
+                "arm": arm, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        except subprocess.TimeoutExpired:
+            res = {"arm": arm, "error": f"timed out after {timeout} s"}
+        res["process_s"] = round(time.perf_counter() - t, 1)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+        results.append(res)
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| arm | cold start (s) | median (ms) | p90 (ms) | peak mem (GiB) | changed keys "
+            "| max rel diff vs eager | regions compiled |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['arm']} | failed: {r['error'][:160]} | | | | | | |")
+            continue
+        rc = (f"{r['regions_compiled']}/{r['regions_total']}" if "regions_total" in r else "")
+        diff = f"{r['max_rel_diff']:.2e}" if "max_rel_diff" in r else "(reference)"
+        rows.append(f"| {r['arm']} | {r['cold_s']:.2f} | {r['median_ms']:.2f} | {r['p90_ms']:.2f}"
+                    f" | {r['peak_gib']:.2f} | {r['changed_keys']} | {diff} | {rc} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--all", action="store_true", help="every arm, each in a fresh process")
+    ap.add_argument("--arms", help="comma-separated subset for --all")
+    ap.add_argument("--frames", type=int, default=60)
+    ap.add_argument("--timeout", type=int, default=300, help="per arm, seconds")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.arm:
+        try:
+            res = run_arm(args.arm, args.frames)
+        except Exception as e:  # report the failure as the arm's result
+            traceback.print_exc()
+            msg = str(e).strip().splitlines()
+            res = {"arm": args.arm, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
+        print(json.dumps(res))
+        return
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    if "eager" in arms:  # the reference runs first
+        arms.remove("eager")
+        arms.insert(0, "eager")
+    results = run_all(arms, args.frames, args.timeout)
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
