@@ -240,6 +240,10 @@ def _render_findings(report: Any, *, all_keys: bool) -> None:
         if f.wrapper:
             click.echo(f"  wrapper: {f.wrapper}")
         shown = f.keys if all_keys and f.code.startswith(("SG0", "SG102", "SG2")) else []
+        if shown and f.code in ("SG001", "SG002", "SG003", "SG004", "SG005"):
+            from surgery.keys import canonical_key
+
+            shown = [f"{k} -> {canonical_key(k)}" for k in shown]
         for line in shown or f.examples:
             click.echo(f"    {line}")
         if not shown and f.count > len(f.examples) and f.examples:
