@@ -609,7 +609,8 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
         else:
             eager_reason = (f"CUDA-graph region ({what}) without CUDA: runs eager "
                             "(on_cpu='eager'; set on_cpu='compile' to compile on the CPU)")
-    shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic") if k in opts}
+    shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic")
+                             if k in opts}
     shown["backend"] = backend
     if patches:
         shown["inductor_config"] = dict(patches)
