@@ -1,0 +1,90 @@
+"""apply_manifest with CUDA graphs: the KV-cache streaming case of pytorch#152887.
+
+The example model's global blocks keep the (k, v) tensors that ``attn_pre`` returns in a KV cache,
+without copying them. Under ``mode="reduce-overhead"`` those tensors live in the CUDA-graph pool,
+and the next step's replay of ``attn_pre`` overwrites them: cudagraph trees then refuse the access
+("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"), or, if
+the access slips past that check, the cached keys hold the newer frame and outputs are wrong.
+Cloning region outputs outside the graph (``clone_outputs``, the default) fixes it.
+
+These run on the GPU machine; tests/conftest.py skips them cleanly without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from surgery import examples
+from surgery.apply import apply_manifest, mark_step
+from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+
+FRAMES = 4
+# Inductor and eager both call cuBLAS for the float32 matmuls (TF32 off by default); fusion
+# reorders the LayerNorm/GELU arithmetic, so float32 results agree to about 1e-5.
+TOL = {"atol": 1e-3, "rtol": 1e-3}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _global_block_manifest(model: torch.nn.Module, *, clone: bool) -> Manifest:
+    depth = len(model.aggregator.global_blocks)
+    regions = [
+        Region("attn_pre", [f"aggregator.global_blocks.{i}.attn_pre" for i in range(depth)],
+               callable="method", on_failure="error"),
+        Region("ffn_residual", [f"aggregator.global_blocks.{i}.ffn_residual"
+                                for i in range(depth)], callable="method", on_failure="error"),
+    ]
+    compile_ = {**DEFAULT_COMPILE, "mode": "reduce-overhead", "clone_outputs": clone}
+    return Manifest(compute_fingerprint(model.state_dict()), regions, compile=compile_)
+
+
+def _stream(model: examples.ExampleModel, frames: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One sequence, frame by frame, each step opened with mark_step() as deployments do."""
+    model.reset_stream()
+    outs = []
+    for f in frames:
+        mark_step()
+        outs.append(model(f).clone())
+    return outs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("clone", [pytest.param(True, id="clone_outputs"),
+                                   pytest.param(False, id="no_clone")])
+def test_kv_cache_streaming_needs_cloned_region_outputs(clone: bool) -> None:
+    torch.manual_seed(0)
+    model = examples.tiny().cuda().eval()
+    frames = [model.example_input(seed=i) for i in range(FRAMES)]
+    with torch.no_grad():
+        ref = _stream(model, frames)  # eager
+        handle = apply_manifest(model, _global_block_manifest(model, clone=clone),
+                                warmup=lambda m: _stream(m, frames[:1]))
+        try:
+            for rec in handle.report:
+                assert rec.status == "compiled", handle.report.summary()
+                assert rec.cuda_graphs and rec.clone_outputs is clone
+            error: RuntimeError | None = None
+            outs: list[torch.Tensor] = []
+            try:
+                outs = _stream(model, frames)
+            except RuntimeError as e:
+                error = e
+        finally:
+            handle.restore()
+    if clone:
+        assert error is None, f"streaming failed with cloned outputs: {error}"
+        for out, want in zip(outs, ref, strict=True):
+            torch.testing.assert_close(out, want, **TOL)
+    else:
+        overwritten = error is not None and "overwritten" in str(error)
+        wrong = error is None and any(not torch.allclose(o, r, **TOL)
+                                      for o, r in zip(outs, ref, strict=True))
+        assert overwritten or wrong, (
+            "without clone_outputs the KV cache should have been overwritten by the next replay "
+            f"(pytorch#152887), but streaming gave correct outputs; error={error!r}")
