@@ -403,7 +403,7 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
     result = WriteResult(files, index, 0)
     try:
         for path, shard in zip(files, shards, strict=True):
-            names = {p.name for p in shard}
+            names = {t.name for t in shard}
             meta = dict(metadata)
             local = {a: t for a, t in aliases.items() if t in names}
             if local:
@@ -415,17 +415,17 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, head)
-                for p in order:
-                    p.source.write_to(p.source_name, fd, advance=advance)
+                for t in order:
+                    t.source.write_to(t.source_name, fd, advance=advance)
                 written = os.lseek(fd, 0, os.SEEK_CUR)
-                expected = len(head) + sum(nbytes(p.info) for p in order)
+                expected = len(head) + sum(nbytes(t.info) for t in order)
                 if written != expected:
                     raise CheckpointError(f"{path}: wrote {written} bytes, expected {expected}",
                                           path=path, hint="the source changed during export")
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            result.shards[path] = [p.name for p in order]
+            result.shards[path] = [t.name for t in order]
             result.bytes_written += expected
         for tmp, path in zip(temps, files, strict=True):
             os.replace(tmp, path)
