@@ -181,6 +181,7 @@ class ExampleModel(nn.Module):
     def reset_stream(self) -> None:
         """Forget every cached frame (start a new sequence)."""
         for blk in self.aggregator.global_blocks:
+            assert isinstance(blk, GlobalBlock)
             blk.kv_cache.clear()
 
     def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -219,6 +220,7 @@ def save_hand_compiled_checkpoint(path: str, *, size: str = "tiny") -> int:
         for i in range(len(blocks)):
             blocks[i] = torch.compile(blocks[i])  # type: ignore[assignment]
     for blk in agg.global_blocks:
+        assert isinstance(blk, GlobalBlock)
         blk.attn.proj = torch.compile(blk.attn.proj)  # type: ignore[assignment]
     sd = model.state_dict()
     torch.save({"state_dict": sd, "epoch": 1}, path)

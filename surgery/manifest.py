@@ -198,8 +198,8 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
                        location=loc, text=text, hint="list each compiled callable once")
             seen[p] = loc
         comp = {**data.get("compile", {}), **region.get("compile", {})}
-        if "mode" in region.get("compile", {}) and "options" in comp or \
-                "options" in region.get("compile", {}) and "mode" in comp:
+        if ("mode" in region.get("compile", {}) and "options" in comp) or \
+                ("options" in region.get("compile", {}) and "mode" in comp):
             loc = f"region[{i}].compile"
             _raise(f"{loc}: sets both 'mode' and 'options', which torch.compile refuses",
                    path=path, location=loc, text=text,
@@ -244,7 +244,7 @@ def _line_of(text: str, location: str) -> int | None:
     hi = next((i for i in range(lo + 1, len(lines)) if lines[i].startswith("[")), len(lines))
     line = lo
     if tokens and isinstance(tokens[0], str):
-        key = re.compile(rf"^\s*{re.escape(tokens.pop(0))}\s*=")
+        key = re.compile(rf"^\s*{re.escape(str(tokens.pop(0)))}\s*=")
         line = next((i for i in range(lo, hi) if key.match(lines[i])), lo)
         if tokens and isinstance(tokens[0], int) and lines[line].rstrip().endswith("["):
             line = min(line + 1 + tokens[0], hi - 1)

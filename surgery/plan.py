@@ -19,7 +19,12 @@ from surgery import keys as keymod
 from surgery.checkpoint import CheckpointInfo, TensorInfo, normalize_dtype, read_checkpoint
 from surgery.errors import CheckpointError, ModelSourceError, RegionError
 from surgery.manifest import (
-    DEFAULT_COMPILE, DEFAULT_WARMUP, MANIFEST_SUFFIX, LeftOut, Manifest, Region,
+    DEFAULT_COMPILE,
+    DEFAULT_WARMUP,
+    MANIFEST_SUFFIX,
+    LeftOut,
+    Manifest,
+    Region,
     compute_fingerprint,
 )
 from surgery.regions import Candidate, ModelView, find_regions, natural_key, view_from_tensors
@@ -84,28 +89,33 @@ def default_output(source: str) -> str:
 
 def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
                        notes: list[str]) -> tuple[dict[str, TensorInfo], int]:
-    """Strip wrapper segments (refusing collisions), then the attribute prefix if asked."""
+    """The unwrapped model's tensors, named as `export` names them (one fingerprint for both).
+
+    Wrapper segments are stripped (collisions refused), EMA bookkeeping is left out, and with
+    `prefix` only the keys under it are kept, with it removed.
+    """
+    from surgery.hygiene import model_keys
+
     wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
-    mapping = keymod.canonical_map(tensors)
-    out = {mapping[k]: v for k, v in tensors.items()}
+    mk = model_keys(list(tensors), prefix=prefix)
+    if mk.collisions:
+        keymod.canonical_map(k for ks in mk.collisions.values() for k in ks)  # raises, listing both
+    if not mk.names:
+        raise CheckpointError(
+            f"no key is under the prefix {prefix!r}", path="",
+            hint=f"keys start with e.g. {', '.join(repr(k) for k in list(tensors)[:3])}")
+    out = {c: tensors[k] for k, c in mk.names.items()}
     if wrapped:
         kinds = Counter(s.name for k in tensors for s in keymod.segments_in(k)
                         if s.where != "leftover")
         listed = ", ".join(f"{n}x {name}." for name, n in kinds.most_common())
         notes.append(f"{wrapped} key(s) carry wrapper segments ({listed}); planned the "
                      "canonical model. Deployment needs a clean file: run `surgery export`.")
-    if prefix:
-        p = prefix if prefix.endswith(".") else f"{prefix}."
-        kept = {k[len(p):]: v for k, v in out.items() if k.startswith(p)}
-        if not kept:
-            raise CheckpointError(
-                f"no key starts with the prefix {p!r}", path="",
-                hint=f"keys start with e.g. {', '.join(repr(k) for k in list(out)[:3])}")
-        dropped = len(out) - len(kept)
-        if dropped:
-            notes.append(f"--prefix {p!r}: {dropped} key(s) outside it were left out of the plan")
-        out = kept
-    else:
+    if mk.dropped:
+        reasons = Counter(mk.dropped.values())
+        notes.append("left out of the plan: " + "; ".join(
+            f"{n} key(s): {r}" for r, n in reasons.most_common()))
+    if not prefix:
         common = keymod.common_attribute_prefix(out)
         if common is not None:
             notes.append(f"every key starts with {common!r} (e.g. a LightningModule's inner "
@@ -222,7 +232,6 @@ def build_model(spec: str, *, notes: list[str] | None = None) -> Any:
     try:
         with torch.device("meta"):
             model = factory()
-        where = "meta"
     except Exception as meta_err:  # any constructor failure on meta: retry for real
         try:
             model = factory()
@@ -231,14 +240,12 @@ def build_model(spec: str, *, notes: list[str] | None = None) -> Any:
                                    f"{e.__class__.__name__}: {e}",
                                    hint="make the factory build the model without arguments"
                                    ) from None
-        where = "cpu"
         if notes is not None:
             notes.append(f"built on the CPU: on the meta device the factory failed "
                          f"({meta_err.__class__.__name__}: {str(meta_err)[:80]})")
     if not isinstance(model, torch.nn.Module):
         raise ModelSourceError(f"--model {spec!r} returned a {type(model).__name__}, "
                                "not an nn.Module", hint="return the model from the factory")
-    model._surgery_built_on = where  # noqa: SLF001 - informative for callers and tests
     return model
 
 

@@ -12,8 +12,15 @@ import pytest
 from surgery.checkpoint import TensorInfo
 from surgery.errors import ManifestError, OutputExistsError
 from surgery.manifest import (
-    DEFAULT_COMPILE, Manifest, Region, compute_fingerprint, dumps_manifest, load_manifest,
-    parse_manifest, save_manifest, schema_path,
+    DEFAULT_COMPILE,
+    Manifest,
+    Region,
+    compute_fingerprint,
+    dumps_manifest,
+    load_manifest,
+    parse_manifest,
+    save_manifest,
+    schema_path,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -60,7 +60,7 @@ def test_lingbot_size_from_live_model() -> None:
 
 def test_lingbot_size_from_checkpoint_header(tmp_path) -> None:
     # A header-only safetensors file with LingBot-size shapes (no data needed to plan).
-    from tests_support import write_header_only_safetensors  # noqa: PLC0415
+    from tests_support import write_header_only_safetensors
 
     with torch.device("meta"):
         from surgery.examples import lingbot
@@ -184,7 +184,7 @@ def test_cli_plan_backend_preset(tmp_path) -> None:
         pytest.param(["--model", "surgery.examples:nope"], 3, "no attribute", id="no-attr"),
         pytest.param(["{ckpt}", "--include", "aggregator.fram_blocks.*"], 3, "did you mean",
                      id="include-typo"),
-        pytest.param(["{ckpt}", "--prefix", "model."], 3, "no key starts with", id="bad-prefix"),
+        pytest.param(["{ckpt}", "--prefix", "model."], 3, "no key is under", id="bad-prefix"),
         pytest.param(["{ckpt}", "-o", "{ckpt}"], 2, "overwrite its own checkpoint",
                      id="output-is-input"),
         pytest.param(["{tmp}/garbage.safetensors"], 3, "not a valid safetensors", id="garbage"),
@@ -245,3 +245,19 @@ def test_plan_of_safetensors_does_not_import_torch(tmp_path) -> None:
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.safetensors"),
                     str(tmp_path / "o.toml")], check=True)
+
+
+def test_plan_fingerprint_matches_export_for_averaged_model(tmp_path) -> None:
+    """EMA bookkeeping (n_averaged) is not part of the model: plan and export agree."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from surgery.hygiene import export_checkpoint
+
+    path = tmp_path / "ema.pt"
+    torch.save(AveragedModel(tiny()).state_dict(), path)
+    result = plan_checkpoint(str(path))
+    with torch.device("meta"):
+        assert result.manifest.fingerprint == compute_fingerprint(tiny().state_dict())
+    assert any("n_averaged" in n or "bookkeeping" in n for n in result.notes)
+    exported = export_checkpoint(str(path), out=str(tmp_path / "clean.safetensors"))
+    assert exported.fingerprint == result.manifest.fingerprint

@@ -10,8 +10,15 @@ from surgery.checkpoint import TensorInfo
 from surgery.errors import RegionError
 from surgery.plan import view_from_module
 from surgery.regions import (
-    ATTN_PRE, ATTN_PROJ, FFN_RESIDUAL, FRAME_BLOCK, PATCH_EMBED_BLOCK, REPEATED_BLOCK,
-    find_regions, natural_key, view_from_tensors,
+    ATTN_PRE,
+    ATTN_PROJ,
+    FFN_RESIDUAL,
+    FRAME_BLOCK,
+    PATCH_EMBED_BLOCK,
+    REPEATED_BLOCK,
+    find_regions,
+    natural_key,
+    view_from_tensors,
 )
 
 
@@ -150,7 +157,8 @@ def test_include_wins_and_exclude_drops() -> None:
     assert kinds["custom"] == ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
     assert kinds[FRAME_BLOCK] == ["aggregator.frame_blocks.0"]
     reasons = {p: r for p, _, r in found.left_out}
-    assert reasons["aggregator.frame_blocks.1"] == "excluded by --exclude 'aggregator.frame_blocks.1'"
+    assert reasons["aggregator.frame_blocks.1"] == \
+        "excluded by --exclude 'aggregator.frame_blocks.1'"
     assert reasons["aggregator.global_blocks.0.attn.proj"].startswith("inside custom region")
     _assert_no_nesting(found)
 
