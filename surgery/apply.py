@@ -191,6 +191,14 @@ class _CountingBackend:
 
         return run
 
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: free the cudagraph trees, as inductor's own
+        torch.compile wrapper does, or their recorded graphs and pools outlive the reset."""
+        if self.config_patches and self.config_patches.get("triton.cudagraphs"):
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
 
 @dataclass
 class _Group:
@@ -389,7 +397,7 @@ def resolve_manifest(source: ManifestSource) -> Manifest:
     if isinstance(source, Manifest):
         return source
     path = os.fspath(source)
-    if path.endswith(".safetensors"):
+    if path.endswith((".safetensors", ".index.json")):  # an export, single file or sharded
         return _embedded_manifest(path)
     return load_manifest(path)
 
@@ -653,15 +661,15 @@ def apply_manifest(
 ) -> ApplyHandle:
     """Compile the manifest's regions of ``model`` in place, warm them up, and report.
 
-    ``manifest`` is a Manifest, a ``.surgery.toml`` path, an exported ``.safetensors`` that
-    carries its manifest, or None to read the path from ``$SURGERY_MANIFEST``. ``warmup(model)``
-    is called ``passes`` times (the manifest's ``warmup.passes`` by default), each opened with
-    ``cudagraph_mark_step_begin()`` when ``warmup.mark_step``; without it, records stay
-    ``pending`` until the model's first call proves them. Warm up with the same grad mode and
-    shapes as inference, or dynamo recompiles on the first real call. ``overrides`` is merged
-    over every region's compile options. ``strict=False`` turns a fingerprint mismatch into a
-    warning. Dynamo keeps the compiled code cached after ``restore()`` until
-    ``torch._dynamo.reset()``.
+    ``manifest`` is a Manifest, a ``.surgery.toml`` path, an exported ``.safetensors`` (or the
+    ``.index.json`` of a sharded export) that carries its manifest, or None to read the path
+    from ``$SURGERY_MANIFEST``. ``warmup(model)`` is called ``passes`` times (the manifest's
+    ``warmup.passes`` by default), each opened with ``cudagraph_mark_step_begin()`` when
+    ``warmup.mark_step``; without it, records stay ``pending`` until the model's first call
+    proves them. Warm up with the same grad mode and shapes as inference, or dynamo recompiles
+    on the first real call. ``overrides`` is merged over every region's compile options.
+    ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
+    cached after ``restore()`` until ``torch._dynamo.reset()``.
     """
     m = resolve_manifest(manifest)
     check_fingerprint(model, m, strict=strict)
