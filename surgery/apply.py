@@ -438,11 +438,11 @@ def _embedded_manifest(path: str) -> Manifest:
 
 def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
     """Compare the manifest's fingerprint with the live model's state dict (canonical keys)."""
-    from surgery.keys import canonical_key
+    from surgery.hygiene import model_fingerprint
 
+    # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
     sd = model.state_dict()
-    canon = {canonical_key(k): v for k, v in sd.items()}
-    actual = compute_fingerprint(canon if len(canon) == len(sd) else sd)
+    actual = model_fingerprint(sd) or compute_fingerprint(sd)
     if actual != manifest.fingerprint:
         where = manifest.source_path or "the manifest"
         msg = (f"{where} was planned for a different model: its fingerprint is "
