@@ -27,7 +27,9 @@ from surgery.manifest import (
     Region,
     compute_fingerprint,
 )
-from surgery.regions import Candidate, ModelView, find_regions, natural_key, view_from_tensors
+from surgery.regions import (
+    OUTPUTS_OUTLIVE_STEP, Candidate, ModelView, find_regions, natural_key, view_from_tensors,
+)
 
 
 @dataclass
@@ -155,8 +157,10 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
     for (kind, callable_, _group, cls), members in groups.items():
         params = sum(view.numel(c.module_path) for c in members) if callable_ == "forward" else 0
         covered += params
+        keep = OUTPUTS_OUTLIVE_STEP.get(kind)
         regions.append(Region(kind=kind, callable=callable_, module_class=cls,
                               parameters=params if callable_ == "forward" else None,
+                              compile={} if keep is None else {"clone_outputs": keep},
                               paths=sorted((c.path for c in members), key=natural_key)))
     regions.sort(key=lambda r: natural_key(r.paths[0]))
     model = {"source": source, **extra, "tensors": len(tensors),

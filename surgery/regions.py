@@ -46,6 +46,16 @@ METHOD_KINDS: tuple[str, ...] = (ATTN_PRE, FFN_RESIDUAL)
 STREAMING_CONTAINERS: tuple[str, ...] = ("global_blocks",)
 # Attention output projections, the fixed-shape matmul inside a streaming block.
 ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
+# Whether a kind's outputs outlive the step. Under CUDA graphs an output lives in the graph's
+# memory pool until the region's next replay overwrites it, so an output kept across steps (the
+# k, v that attn_pre returns go into the KV cache) must be cloned outside the graph. Cloning
+# where it is not needed is not free: a cloned output reaches the next graph as a non-pool input
+# that is copied in again (cloning all 120 regions of the LingBot-size example cost about 7 ms a
+# frame on an H200; benchmarks/RESULTS.md). Kinds not listed keep the manifest default (clone).
+OUTPUTS_OUTLIVE_STEP: dict[str, bool] = {
+    ATTN_PRE: True, FFN_RESIDUAL: False, ATTN_PROJ: False, FRAME_BLOCK: False,
+    PATCH_EMBED_BLOCK: False,
+}
 # Two blocks count as the same repeated block when they share this much of their tensor layout
 # (SD3's last block lacks the context MLP that the others have).
 _SIMILARITY = 0.5

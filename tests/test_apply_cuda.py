@@ -88,3 +88,23 @@ def test_kv_cache_streaming_needs_cloned_region_outputs(clone: bool) -> None:
         assert overwritten or wrong, (
             "without clone_outputs the KV cache should have been overwritten by the next replay "
             f"(pytorch#152887), but streaming gave correct outputs; error={error!r}")
+
+
+@pytest.mark.cuda
+def test_planned_manifest_streams_correctly_with_cuda_graphs() -> None:
+    """The plan clones only where outputs outlive the step (attn_pre); that must be enough."""
+    from surgery.plan import plan_model
+
+    torch.manual_seed(0)
+    model = examples.tiny().cuda().eval()
+    manifest = plan_model("surgery.examples:tiny").manifest
+    frames = [model.example_input(seed=i) for i in range(FRAMES + 2)]
+    with torch.no_grad():
+        ref = _stream(model, frames)
+        with apply_manifest(model, manifest, warmup=lambda m: _stream(m, frames[:1])) as handle:
+            counts = handle.report.counts()
+            assert counts["compiled"] == len(handle.report), handle.report.summary()
+            assert {r.kind for r in handle.report if r.clone_outputs} == {"attn_pre"}
+            outs = _stream(model, frames)
+    for out, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(out, want, **TOL)

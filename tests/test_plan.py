@@ -261,3 +261,10 @@ def test_plan_fingerprint_matches_export_for_averaged_model(tmp_path) -> None:
     assert any("n_averaged" in n or "bookkeeping" in n for n in result.notes)
     exported = export_checkpoint(str(path), out=str(tmp_path / "clean.safetensors"))
     assert exported.fingerprint == result.manifest.fingerprint
+
+
+def test_plan_clones_only_outputs_that_outlive_the_step() -> None:
+    manifest = plan_model("surgery.examples:tiny").manifest
+    clone = {r.kind: manifest.region_compile(r)["clone_outputs"] for r in manifest.regions}
+    assert clone == {"frame_block": False, "patch_embed_block": False, "attn_proj": False,
+                     "ffn_residual": False, "attn_pre": True}
