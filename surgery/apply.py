@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
 from surgery.manifest import Manifest, Region, compute_fingerprint, load_manifest, parse_manifest
 
@@ -62,6 +63,11 @@ class SurgeryWarning(UserWarning):
 
 class RegionFallbackWarning(SurgeryWarning):
     """A region could not be compiled and runs eager (one warning per manifest region)."""
+
+
+class CacheIgnoredWarning(SurgeryWarning):
+    """A compile-cache bundle was given but not loaded (stale, corrupt, or for another machine);
+    the regions compile as usual. One warning per apply."""
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -103,6 +109,7 @@ class ApplyReport(Sequence[RegionRecord]):
         self.notes: list[str] = []
         self.warmup_passes = 0
         self.dynamo_unique_graphs = 0  # torch._dynamo's own counter, over warm-up
+        self.cache: CacheRecord | None = None  # compile-cache bundle and cache hits, over warm-up
 
     def __getitem__(self, i: Any) -> Any:
         return self.records[i]
@@ -140,6 +147,8 @@ class ApplyReport(Sequence[RegionRecord]):
             why = f"  ({r.reason})" if r.reason else ""
             lines.append(f"  {r.status:8} {r.kind:14} {r.path}  calls={r.calls} "
                          f"graphs_run={r.graphs_run} recompiles={r.recompiles}{why}")
+        if self.cache is not None and self.cache.line():
+            lines.append(f"  {self.cache.line()}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -342,6 +351,19 @@ class ApplyHandle:
         self._slots: list[_Slot] = []
         self._mha_fastpath: bool | None = None  # the value to put back, when we changed it
         self.restored = False
+        self._overrides: dict[str, Any] = {}  # what a saved cache bundle was compiled with
+        self._device = "cpu"
+
+    def save_cache(self, path: str | os.PathLike[str] | None = None, *,
+                   force: bool = True) -> SavedBundle:
+        """Write this process's compile caches as a bundle bound to the manifest (after warm-up).
+
+        ``path`` defaults to ``STEM.surgery.cache`` beside the manifest file (see
+        surgery.cache). The next ``apply_manifest(..., cache=path)`` loads it when it fits.
+        """
+        from surgery.cache import save_from_handle
+
+        return save_from_handle(self, None if path is None else os.fspath(path), force=force)
 
     def restore(self) -> None:
         """Put back exactly the original callables (and the MHA fastpath). Idempotent."""
@@ -658,6 +680,7 @@ def apply_manifest(
     overrides: Mapping[str, Any] | None = None,
     strict: bool = True,
     passes: int | None = None,
+    cache: str | os.PathLike[str] | bool | None = None,
 ) -> ApplyHandle:
     """Compile the manifest's regions of ``model`` in place, warm them up, and report.
 
@@ -670,12 +693,23 @@ def apply_manifest(
     on the first real call. ``overrides`` is merged over every region's compile options.
     ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
     cached after ``restore()`` until ``torch._dynamo.reset()``.
+
+    ``cache`` is a compile-cache bundle (``surgery warm`` or ``handle.save_cache()``), or True
+    for the one beside the manifest file. It is loaded before anything compiles, only when it
+    was built for this manifest, these overrides, this torch / triton / CUDA and this GPU;
+    otherwise one CacheIgnoredWarning says why and the regions compile as usual.
+    ``report.cache`` records which, and how many warm-up compiles hit the caches.
     """
     m = resolve_manifest(manifest)
     check_fingerprint(model, m, strict=strict)
     records: list[RegionRecord] = []
     report = ApplyReport(records)
     handle = ApplyHandle(model, m, report)
+    handle._overrides = dict(overrides or {})
+    dev = _device_of(model, model)
+    handle._device = str(dev) if dev.type == "cuda" else dev.type
+    if cache is not None and cache is not False:
+        report.cache = _load_cache(handle, cache)
     state = _HandleState()
     groups: dict[tuple[Any, ...], _Group] = {}
 
@@ -723,11 +757,33 @@ def apply_manifest(
             report.notes.append("nn.MultiheadAttention fastpath turned off while applied")
         if cuda_graph_regions:
             _note_expandable_segments(report)
+        hits_before = cache_counters()
         _warm_up(handle, m, warmup, passes)
+        if report.cache is None:
+            report.cache = CacheRecord()
+        report.cache.counts = {k: v - hits_before[k] for k, v in cache_counters().items()}
     except BaseException:
         handle.restore()
         raise
     return handle
+
+
+def _load_cache(handle: ApplyHandle, cache: str | os.PathLike[str] | bool) -> CacheRecord:
+    """Load a compile-cache bundle when it fits; otherwise warn once and say why in the report."""
+    src = handle.manifest.source_path
+    if isinstance(cache, bool):  # True: the bundle beside the manifest file
+        path = default_bundle_path(src) if src else ""
+    else:
+        path = os.fspath(cache)
+    loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
+    if path:
+        loaded, why = load_bundle(path, manifest=handle.manifest, overrides=handle._overrides,
+                                  device=handle._device)
+    if not loaded:
+        handle.report.notes.append(f"compile-cache bundle ignored: {why}")
+        warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
+                      CacheIgnoredWarning, stacklevel=3)
+    return CacheRecord(path or None, loaded, why)
 
 
 def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:
@@ -826,7 +882,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = [
-    "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "RegionFallbackWarning", "RegionRecord",
+    "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning", "RegionFallbackWarning",
+    "RegionRecord",
     "SurgeryWarning", "apply_manifest", "check_fingerprint", "mark_step", "plan_region",
     "resolve_manifest", "resolve_path",
 ]

@@ -94,3 +94,15 @@ class FingerprintMismatchError(SurgeryError):
         super().__init__(message, hint=hint)
         self.expected = expected
         self.actual = actual
+
+
+class CacheBundleError(SurgeryError):
+    """A compile-cache bundle that cannot be written, or read back as a valid bundle.
+
+    Loading never raises it to a deployment: `apply_manifest` turns it into a reason and
+    compiles as usual. Building a bundle (`surgery warm`, `handle.save_cache`) does raise it.
+    """
+
+    def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
