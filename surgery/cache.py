@@ -304,7 +304,7 @@ def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
         return False, f"{path}: torch could not load it ({type(e).__name__}: {e})"
     if info is None:
         return False, f"{path}: torch could not deserialise the blob (see its log above)"
-    return True, f"loaded {path} ({_describe(_artifact_counts(info))})"
+    return True, f"{path}: {_describe(_artifact_counts(info))}"
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:

@@ -357,6 +357,73 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
 # ---- warm --------------------------------------------------------------------------------------
 
 
+def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+                     ) -> dict[str, Any]:
+    """KEY=VALUE pairs; VALUE is JSON when it parses (true, 3, null, {...}), else a string."""
+    out: dict[str, Any] = {}
+    for item in values:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE (e.g. backend=aot_eager)")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+@cli.command(epilog=EPILOG)
+@click.option("--model", "model_spec", required=True, metavar="PKG.MOD:FACTORY",
+              help="Factory that builds the model (with its weights or not: shapes matter).")
+@click.option("--manifest", required=True, type=click.Path(dir_okay=False),
+              help="The manifest to apply (.surgery.toml, or an export that embeds one).")
+@click.option("--input", "input_spec", required=True, metavar="PKG.MOD:FACTORY",
+              help="Factory that receives the model and returns its example input "
+              "(e.g. surgery.examples:example_input).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]),
+              help="Where to warm up (default: cuda when available). A bundle is valid only "
+              "for this device kind and GPU.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Cast the model first (the manifest's fingerprint includes the dtype).")
+@click.option("-o", "--output", metavar="BUNDLE", help="Where to write the bundle. Default: "
+              "beside the manifest, as STEM.surgery.cache.")
+@click.option("--force", is_flag=True, help="Overwrite an existing bundle.")
+@click.option("--overrides", "overrides", multiple=True, metavar="KEY=VALUE",
+              callback=_parse_overrides, help="Compile overrides over every region (e.g. "
+              "on_cpu=compile, mode=null). Deployment must pass the same. Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
+@handle_errors
+def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
+         dtype: str | None, output: str | None, force: bool, overrides: dict[str, Any],
+         as_json: bool) -> None:
+    """Compile the manifest's regions once and save the compile caches as a bundle.
+
+    \b
+    Deployment then loads it before compiling, and skips the compiles it holds:
+      apply_manifest(model, "model.surgery.toml", cache=True, warmup=...)
+    It is loaded only on the same torch / triton / CUDA / GPU and for the same manifest.
+
+    \b
+    Example:
+      surgery warm --model surgery.examples:tiny --manifest tiny.surgery.toml
+          --input surgery.examples:example_input --device cpu --overrides on_cpu=compile
+    """
+    from surgery.cache import warm_start
+
+    result = warm_start(model_spec, manifest=manifest, input_spec=input_spec, device=device,
+                        dtype=dtype, out=output, force=force, overrides=overrides)
+    if as_json:
+        emit_json({"bundle": result.bundle.path, "bytes": result.bundle.bytes,
+                   "seconds": round(result.seconds, 3), "metadata": result.bundle.metadata,
+                   "regions": result.report.counts(),
+                   "cache": vars(result.report.cache) if result.report.cache else None})
+        return
+    for line in result.bundle.describe():
+        click.echo(line)
+    click.echo(f"warm-up: {result.seconds:.1f} s")
+    click.echo(result.report.summary())
+
+
 def main() -> None:
     cli(prog_name="surgery")
 

@@ -162,6 +162,7 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
                               hint="check the prefix against the keys (surgery verify --all)")
     if m is not None:
         findings.extend(_check_manifest(m, mk, fingerprint))
+        findings.extend(_check_cache_bundle(m))
     if deep:
         findings.extend(_deep_findings(path, key=key, info=info, progress=progress))
     return VerifyReport(path, info.format, info.entry, prefix, len(info.tensors), fingerprint,
@@ -224,6 +225,27 @@ def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None) -> list
                 "without parameters cannot be seen in a checkpoint",
                 missing[:EXAMPLES]))
     return out
+
+
+def _check_cache_bundle(m: Manifest) -> list[Finding]:
+    """A note on the compile-cache bundle beside the manifest, if there is one (no torch)."""
+    from surgery.cache import check_beside
+
+    found = check_beside(m)
+    if found is None:
+        return []
+    path, valid, why = found
+    if valid is False:
+        return [Finding(
+            "SG302", NOTE, "the compile-cache bundle beside the manifest will be ignored here",
+            None, [], "rebuild it on the deployment machine: surgery warm --model PKG.MOD:FACTORY "
+            f"--manifest {m.source_path} --input PKG.MOD:INPUT_FACTORY --force",
+            [path, why], {"bundle": path, "valid": False, "reason": why})]
+    title = ("the compile-cache bundle beside the manifest fits this machine" if valid else
+             "the compile-cache bundle beside the manifest fits, except the GPU, not checked")
+    return [Finding("SG301", NOTE, title, None, [],
+                    f"deploy with apply_manifest(model, {m.source_path!r}, cache=True)",
+                    [path, why], {"bundle": path, "valid": valid, "reason": why})]
 
 
 # --- verify --deep --------------------------------------------------------------------------

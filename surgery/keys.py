@@ -125,7 +125,8 @@ def common_attribute_prefix(keys: Iterable[str]) -> str | None:
 # --- findings ----------------------------------------------------------------------------------
 
 # Stable finding codes. They are part of the CLI contract (CI logs grep for them): never renumber,
-# only add. SG0xx: key hygiene; SG1xx: the manifest against the checkpoint; SG2xx: tensor data.
+# only add. SG0xx: key hygiene; SG1xx: the manifest against the checkpoint; SG2xx: tensor data;
+# SG3xx: the compile-cache bundle beside the manifest (notes only: a bundle is an optimisation).
 CODES: dict[str, str] = {
     "SG001": ORIG_MOD.name,
     "SG002": MODULE.name,
@@ -141,6 +142,8 @@ CODES: dict[str, str] = {
     "SG201": "non-finite",
     "SG202": "float64",
     "SG203": "shared-storage",
+    "SG301": "cache-bundle-fits",
+    "SG302": "cache-bundle-ignored",
 }
 _CODE_OF_SEGMENT = {name: code for code, name in CODES.items()}
 
