@@ -335,6 +335,19 @@ class SavedBundle:
                  if self.metadata["overrides"] else "")]
 
 
+def bundle_metadata(manifest: Manifest, *, overrides: Mapping[str, Any] | None,
+                    env: Mapping[str, str | None], artifacts: Mapping[str, int]
+                    ) -> dict[str, Any]:
+    """The record of what a bundle is valid for (`write_bundle` adds the blob's length and
+    sha256)."""
+    return {"format": FORMAT_VERSION, "surgery": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "manifest": {"fingerprint": manifest.fingerprint, "key": manifest_key(manifest),
+                         "source": os.path.basename(manifest.source_path or "")},
+            "compile": dict(manifest.compile), "overrides": json.loads(_canonical(overrides)),
+            "env": dict(env), "artifacts": dict(artifacts)}
+
+
 def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
                 device: str, force: bool = True) -> SavedBundle:
     """Serialise this process's compile caches into a bundle bound to ``manifest``.
@@ -358,12 +371,8 @@ def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
             hint="warm up first; only backend 'inductor' fills these caches (on the CPU, "
                  "CUDA-graph regions run eager unless the override on_cpu=compile is given)")
     blob, info = saved
-    meta = {"format": FORMAT_VERSION, "surgery": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "manifest": {"fingerprint": manifest.fingerprint, "key": manifest_key(manifest),
-                         "source": os.path.basename(manifest.source_path or "")},
-            "compile": dict(manifest.compile), "overrides": json.loads(_canonical(overrides)),
-            "env": environment(device=device), "artifacts": _artifact_counts(info)}
+    meta = bundle_metadata(manifest, overrides=overrides, env=environment(device=device),
+                           artifacts=_artifact_counts(info))
     size = write_bundle(path, blob, meta, force=force)
     meta["blob"] = {"bytes": len(blob)}
     return SavedBundle(path, size, meta)
@@ -455,11 +464,26 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
                                ) from None
     model = model.to(device=dev, dtype=dtypes[dtype] if dtype else None).eval()
     example = make_input(model)
+    # torch records every artifact of the process; the bundle should hold this model's only.
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        CacheArtifactManager.clear()
+    except ImportError:  # torch < 2.7: save_bundle says so below
+        pass
     started = time.perf_counter()
     with torch.no_grad():
         handle = apply_manifest(model, m, warmup=lambda mod: _call_with(mod, example),
                                 overrides=overrides)
     seconds = time.perf_counter() - started
+    if not handle.report.with_status("compiled"):
+        handle.restore()
+        eager = handle.report.with_status("eager")
+        why = f" ({eager[0].path}: {eager[0].reason})" if eager else ""
+        raise CacheBundleError(
+            f"no region ran compiled code in warm-up, so there is nothing to cache{why}",
+            path=target, hint="on the CPU, CUDA-graph regions run eager: pass --overrides "
+            "on_cpu=compile (and the same overrides to apply_manifest), or warm up on the GPU")
     saved = handle.save_cache(target, force=force)
     handle.restore()
     return WarmResult(saved, handle.report, seconds)
