@@ -43,7 +43,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-ARMS = ("eager", "whole", "hand", "hand_clone", "surgery", "surgery_cg", "surgery_pe")
+# surgery arms: (plan --include, plan --exclude, plan --backend, apply overrides)
+SURGERY_ARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None, dict[str, Any]]] = {
+    "surgery": ((), (), None, {}),
+    "surgery_cg": ((), (), "cudagraphs", {}),
+    "surgery_pe": (("aggregator.patch_embed",), (), None, {}),
+    "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, {}),
+    "surgery_noepc": ((), (), None, {"emulate_precision_casts": False}),
+}
+ARMS = ("eager", "whole", "hand", "hand_clone", *SURGERY_ARMS)
 TIMED = 50
 DISTINCT_FRAMES = 8
 
@@ -84,7 +92,7 @@ def restore_cache(model: Any, saved: list[list[Any]]) -> None:
 def warm_pass(model: Any, x: Any, call: Any = None) -> None:
     """One warm-up forward that leaves the stream as it was (the cache is restored)."""
     saved = snapshot_cache(model)
-    (call or model)(x)
+    (model if call is None else call)(x)
     restore_cache(model, saved)
 
 
@@ -109,9 +117,10 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
 def plan_manifest(arm: str) -> Any:
     from surgery.plan import compile_defaults, plan_model
 
-    include = ("aggregator.patch_embed",) if arm == "surgery_pe" else ()
-    comp = compile_defaults(backend="cudagraphs") if arm == "surgery_cg" else None
-    return plan_model("gpu_regions:bf16_model", include=include, compile=comp).manifest
+    include, exclude, backend, _ = SURGERY_ARMS[arm]
+    comp = compile_defaults(backend=backend) if backend else None
+    return plan_model("gpu_regions:bf16_model", include=include, exclude=exclude,
+                      compile=comp).manifest
 
 
 def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
@@ -157,7 +166,8 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
         elif manifest is not None:
             from surgery import apply_manifest
 
-            handle = apply_manifest(model, manifest, warmup=lambda m: warm_pass(m, warm_x))
+            handle = apply_manifest(model, manifest, warmup=lambda m: warm_pass(m, warm_x),
+                                    overrides=SURGERY_ARMS[arm][3] or None)
             keys_after = set(model.state_dict())
             counts = handle.report.counts()
             out["report"] = counts
@@ -168,6 +178,15 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
             warm_pass(model, warm_x)
         sync()
         cold = time.perf_counter() - t0
+        if arm != "eager":
+            # Benchmark hygiene: inductor's compile-worker pool has done its work; stop it so
+            # no arm is timed beside idle or busy workers (the first arm's ran slow otherwise).
+            try:
+                from torch._inductor.async_compile import shutdown_compile_workers
+
+                shutdown_compile_workers()
+            except ImportError:
+                pass
         step = arm not in ("eager", "whole")
         times: list[float] = []
         outputs: list[Any] = []
@@ -188,6 +207,20 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
                 y = call(x)
                 times.append((time.perf_counter() - t) * 1e3)
             outputs.append(y.float().cpu())
+        prof_path = os.environ.get("GPU_REGIONS_PROFILE")
+        if prof_path and cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(5):
+                    if step:
+                        mark()
+                    call(xs[i % len(xs)])
+                sync()
+            with open(f"{prof_path}.{arm}.txt", "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+                f.write("\n\n")
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     timed = times[-TIMED:]
     q = statistics.quantiles(timed, n=10)
     out.update(
@@ -214,8 +247,11 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
 def run_all(arms: list[str], n_frames: int, timeout: int) -> list[dict[str, Any]]:
     ref = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_regions_ref_{os.getpid()}.pt")
     results = []
-    for arm in arms:
-        env = {**os.environ, "GPU_REGIONS_REF": ref}
+    for i, arm in enumerate(arms):
+        # A fresh compile cache per arm: every cold start is cold (nothing from earlier arms).
+        cache = os.path.join(os.path.dirname(ref), f"gpu_regions_cache_{os.getpid()}_{i}")
+        env = {**os.environ, "GPU_REGIONS_REF": ref, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
         t = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -267,6 +303,9 @@ def main() -> None:
         print(json.dumps(res))
         return
     arms = args.arms.split(",") if args.arms else list(ARMS)
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        ap.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     if "eager" in arms:  # the reference runs first
         arms.remove("eager")
         arms.insert(0, "eager")
