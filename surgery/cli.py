@@ -124,11 +124,14 @@ def _render_plan(summary: dict[str, Any], out: str) -> None:
 @click.option("--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune",
                                            "max-autotune-no-cudagraphs"]),
               help="Inductor mode (default: reduce-overhead, i.e. CUDA graphs).")
+@click.option("--fold", is_flag=True, help="Compile a fixed-shape container whose blocks are "
+              "all regions (e.g. aggregator.patch_embed) as ONE region: fewer CUDA-graph "
+              "replays per step, faster on launch-bound models (benchmarks/RESULTS.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @handle_errors
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
-         exclude: tuple[str, ...], backend: str | None, mode: str | None,
+         exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
          as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
 
@@ -143,6 +146,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
       surgery plan last.ckpt --prefix model. -o model.surgery.toml
       surgery plan --model surgery.examples:tiny -o tiny.surgery.toml
       surgery plan model.safetensors --exclude 'aggregator.frame_blocks.*' --json
+      surgery plan --model surgery.examples:lingbot --fold   # fewer, larger regions
     """
     from surgery import plan as planner
     from surgery.manifest import dumps_manifest, write_text_atomic
@@ -161,10 +165,11 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
     comp = planner.compile_defaults(backend=backend, mode=mode)
     if source is not None:
         result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
-                                         exclude=exclude, compile=comp)
+                                         exclude=exclude, compile=comp, fold=fold)
     else:
         assert model_spec is not None
-        result = planner.plan_model(model_spec, include=include, exclude=exclude, compile=comp)
+        result = planner.plan_model(model_spec, include=include, exclude=exclude, compile=comp,
+                                    fold=fold)
     text = dumps_manifest(result.manifest)
     if out == "-":
         click.echo(text, nl=False)

@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         m(frames[0])
         model.reset_stream()  # warm-up frames are not part of the stream
 
-    with torch.no_grad():
-        with apply_manifest(model, path, warmup=warmup, overrides={"backend": "aot_eager"}) as h:
-            got = [model(x) for x in frames]
-            print(h.report.summary())
-            assert list(model.state_dict()) == keys, "state-dict keys changed"
+    overrides = {"backend": "aot_eager"}
+    with torch.no_grad(), apply_manifest(model, path, warmup=warmup, overrides=overrides) as h:
+        got = [model(x) for x in frames]
+        print(h.report.summary())
+        assert list(model.state_dict()) == keys, "state-dict keys changed"
     diff = max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
     print(f"outputs match eager (max abs diff {diff:.2e}); state-dict keys unchanged "
           f"({len(keys)}); restored")

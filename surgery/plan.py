@@ -28,7 +28,12 @@ from surgery.manifest import (
     compute_fingerprint,
 )
 from surgery.regions import (
-    OUTPUTS_OUTLIVE_STEP, Candidate, ModelView, find_regions, natural_key, view_from_tensors,
+    OUTPUTS_OUTLIVE_STEP,
+    Candidate,
+    ModelView,
+    find_regions,
+    natural_key,
+    view_from_tensors,
 )
 
 
@@ -147,8 +152,8 @@ def compile_defaults(*, backend: str | None = None, mode: str | None = None) -> 
 
 def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str,
               include: Sequence[str], exclude: Sequence[str], extra: dict[str, Any],
-              compile: dict[str, Any] | None = None) -> Manifest:
-    found = find_regions(view, include=include, exclude=exclude)
+              compile: dict[str, Any] | None = None, fold: bool = False) -> Manifest:
+    found = find_regions(view, include=include, exclude=exclude, fold=fold)
     groups: dict[tuple[str, str, str, str | None], list[Candidate]] = {}
     for c in found.regions:
         groups.setdefault((c.kind, c.callable, c.group, c.cls), []).append(c)
@@ -174,7 +179,7 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
 
 def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = None,
                     include: Sequence[str] = (), exclude: Sequence[str] = (),
-                    compile: dict[str, Any] | None = None) -> PlanResult:
+                    compile: dict[str, Any] | None = None, fold: bool = False) -> PlanResult:
     """Plan the canonical (prefix-free) model stored in a checkpoint."""
     info: CheckpointInfo = read_checkpoint(path, key=key)
     notes: list[str] = []
@@ -190,7 +195,8 @@ def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = N
     tensors, wrapped = _canonical_tensors(info.tensors, prefix=prefix, notes=notes)
     extra: dict[str, Any] = {"prefix": prefix} if prefix else {}
     manifest = _manifest(view_from_tensors(tensors), tensors, source=os.path.basename(path),
-                         include=include, exclude=exclude, extra=extra, compile=compile)
+                         include=include, exclude=exclude, extra=extra, compile=compile,
+                         fold=fold)
     if not any(r.callable == "method" for r in manifest.regions):
         notes.append("a checkpoint cannot show methods (attn_pre, ffn_residual); plan the live "
                      "model with --model package.module:factory to find them")
@@ -270,7 +276,7 @@ def view_from_module(model: Any) -> tuple[ModelView, dict[str, TensorInfo]]:
 
 
 def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str] = (),
-               compile: dict[str, Any] | None = None) -> PlanResult:
+               compile: dict[str, Any] | None = None, fold: bool = False) -> PlanResult:
     """Plan a live model built by a factory; it shows classes and method regions."""
     notes: list[str] = []
     model = build_model(spec, notes=notes)
@@ -281,5 +287,5 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
                      "build it unwrapped (no torch.compile / DDP swapped in) before planning")
     cls = f"{type(model).__module__}.{type(model).__qualname__}"
     manifest = _manifest(view, tensors, source=spec, include=include, exclude=exclude,
-                         extra={"class": cls}, compile=compile)
+                         extra={"class": cls}, compile=compile, fold=fold)
     return PlanResult(manifest, spec, notes, wrapped)

@@ -35,6 +35,8 @@ ATTN_PRE = "attn_pre"
 FFN_RESIDUAL = "ffn_residual"
 ATTN_PROJ = "attn_proj"
 REPEATED_BLOCK = "repeated_block"
+PATCH_EMBED = "patch_embed"
+BLOCK_STACK = "block_stack"
 CUSTOM = "custom"
 
 # Methods that LingBot-Map's streaming blocks split out of their forward: fixed-shape pieces
@@ -54,13 +56,14 @@ ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
 # frame on an H200; benchmarks/RESULTS.md). Kinds not listed keep the manifest default (clone).
 OUTPUTS_OUTLIVE_STEP: dict[str, bool] = {
     ATTN_PRE: True, FFN_RESIDUAL: False, ATTN_PROJ: False, FRAME_BLOCK: False,
-    PATCH_EMBED_BLOCK: False,
+    PATCH_EMBED_BLOCK: False, PATCH_EMBED: False,
 }
 # Two blocks count as the same repeated block when they share this much of their tensor layout
 # (SD3's last block lacks the context MLP that the others have).
 _SIMILARITY = 0.5
 
-_PRIORITY = {CUSTOM: 0, FRAME_BLOCK: 1, PATCH_EMBED_BLOCK: 1, REPEATED_BLOCK: 2,
+_PRIORITY = {CUSTOM: 0, PATCH_EMBED: 1, BLOCK_STACK: 1, FRAME_BLOCK: 1, PATCH_EMBED_BLOCK: 1,
+             REPEATED_BLOCK: 2,
              ATTN_PRE: 3, FFN_RESIDUAL: 3, ATTN_PROJ: 3}
 
 
@@ -251,13 +254,50 @@ def _match(patterns: Iterable[str], path: str) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(path, p)), None)
 
 
+def _streaming_inside(view: ModelView, path: str) -> bool:
+    return any(_is_within(p, path) and _is_streaming(view, p) for p in view.modules if p)
+
+
+def _fold(view: ModelView, accepted: list[Candidate]
+          ) -> tuple[list[Candidate], list[tuple[str, str, str]]]:
+    """Replace the blocks of a fixed-shape container by the container itself.
+
+    Under CUDA graphs every region call is a replay with its own bookkeeping, and the per-step
+    cost grows faster than the number of regions, so one region for LingBot's 24 patch-embed
+    blocks beats 24 (benchmarks/RESULTS.md). A container qualifies when every numbered child of
+    its block list is a region, no other region lies inside it, it is not the whole model, and
+    nothing inside it streams.
+    """
+    by_list: dict[str, list[Candidate]] = {}
+    for c in accepted:
+        seg = _segments(c.path)
+        if c.callable == "forward" and len(seg) >= 3 and _is_index(seg[-1]) and \
+                c.kind in (PATCH_EMBED_BLOCK, REPEATED_BLOCK, FRAME_BLOCK, CUSTOM):
+            by_list.setdefault(".".join(seg[:-1]), []).append(c)
+    out = list(accepted)
+    left: list[tuple[str, str, str]] = []
+    for blocks_path, members in by_list.items():
+        container = blocks_path.rpartition(".")[0]
+        numbered = [k for k in view.children(blocks_path) if _is_index(k.rsplit(".", 1)[-1])]
+        inside = [c for c in out if _is_within(c.module_path, container)]
+        if sorted(c.path for c in members) != sorted(numbered) or len(inside) != len(members) \
+                or _streaming_inside(view, container):
+            continue
+        kind = PATCH_EMBED if container.rsplit(".", 1)[-1] == "patch_embed" else BLOCK_STACK
+        out = [c for c in out if c not in members]
+        out.append(Candidate(kind, container, cls=view.modules[container].cls))
+        left += [(c.path, c.kind, f"folded into {kind} region {container}") for c in members]
+    return out, left
+
+
 def find_regions(view: ModelView, *, include: Sequence[str] = (),
-                 exclude: Sequence[str] = ()) -> Found:
+                 exclude: Sequence[str] = (), fold: bool = False) -> Found:
     """Candidates -> non-overlapping regions, plus what was left out and why.
 
     `include` globs add module (or `module.method`) paths as regions that win over every other
     candidate; `exclude` globs drop regions after nesting is resolved. A glob that matches
-    nothing is an error, since a silent no-op is how regions go missing.
+    nothing is an error, since a silent no-op is how regions go missing. `fold` compiles a
+    fixed-shape container whose blocks are all regions as one region (see `_fold`).
     """
     cands, notes = _candidates(view)
     for pattern in include:
@@ -283,6 +323,9 @@ def find_regions(view: ModelView, *, include: Sequence[str] = (),
         else:
             used.add(pat)
             left.append((c.path, c.kind, f"excluded by --exclude {pat!r}"))
+    if fold:  # after --exclude, so an excluded block keeps its container from folding
+        kept, folded = _fold(view, kept)
+        left += folded
     unused = [p for p in exclude if p not in used]
     if unused:
         raise RegionError(f"--exclude {unused[0]!r} matches no region of the plan",

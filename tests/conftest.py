@@ -10,7 +10,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (see benchmarks/RESULTS.md for the last run)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU; run on the GPU machine (benchmarks/RESULTS.md has the last run)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

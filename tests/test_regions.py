@@ -179,3 +179,34 @@ def test_globs_that_match_nothing_fail_loudly(include, exclude, match) -> None:
 def test_natural_order() -> None:
     paths = ["b.10", "b.2", "b.1"]
     assert sorted(paths, key=natural_key) == ["b.1", "b.2", "b.10"]
+
+
+def test_fold_compiles_a_fixed_shape_container_as_one_region() -> None:
+    from surgery.examples import tiny
+
+    with torch.device("meta"):
+        model = tiny()
+    view, _ = view_from_module(model)
+    found = find_regions(view, fold=True)
+    kinds = _kinds(found)
+    assert kinds["patch_embed"] == ["aggregator.patch_embed"]
+    assert PATCH_EMBED_BLOCK not in kinds
+    # Frame blocks live beside streaming global blocks under `aggregator`: not folded.
+    assert kinds[FRAME_BLOCK] == ["aggregator.frame_blocks.0", "aggregator.frame_blocks.1"]
+    reasons = {p: r for p, _, r in found.left_out}
+    assert reasons["aggregator.patch_embed.blocks.1"] == \
+        "folded into patch_embed region aggregator.patch_embed"
+    _assert_no_nesting(found)
+
+
+def test_fold_leaves_partial_or_root_block_lists_alone() -> None:
+    keys: dict = {}
+    for i in range(3):
+        keys |= _block_keys(f"blocks.{i}")  # the container is the whole model: not folded
+        keys |= _block_keys(f"encoder.layer.{i}")
+    found = find_regions(_view(keys), fold=True, exclude=["encoder.layer.2"])
+    kinds = _kinds(found)
+    assert kinds[REPEATED_BLOCK] == ["blocks.0", "blocks.1", "blocks.2",
+                                     "encoder.layer.0", "encoder.layer.1"]
+    folded = find_regions(_view(keys), fold=True)
+    assert _kinds(folded)["block_stack"] == ["encoder"]
