@@ -15,8 +15,10 @@ Arms (each in a fresh process, all in one call):
                  keep a KV cache of them alive across replays)
   surgery        `surgery plan` of the live model, then apply_manifest with its defaults
   surgery_cg     the same manifest planned with --backend cudagraphs
-  surgery_pe     the default manifest plus the whole patch embed as one region
-                 (--include aggregator.patch_embed): 1 graph replay instead of 24
+  surgery_fold   `surgery plan --fold`: the whole patch embed as one region, 1 graph replay
+                 instead of 24 (surgery_pe gets the same with --include aggregator.patch_embed)
+  surgery_nope / surgery_noepc   diagnostics: patch-embed blocks left eager; no
+                 emulate_precision_casts
 
 For each arm: cold start (compile + warm-up, s), steady per-frame latency (median and p90 over
 50 frames, CUDA events, synchronised each frame), peak GPU memory, how many state-dict keys
@@ -43,13 +45,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-# surgery arms: (plan --include, plan --exclude, plan --backend, apply overrides)
-SURGERY_ARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None, dict[str, Any]]] = {
-    "surgery": ((), (), None, {}),
-    "surgery_cg": ((), (), "cudagraphs", {}),
-    "surgery_pe": (("aggregator.patch_embed",), (), None, {}),
-    "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, {}),
-    "surgery_noepc": ((), (), None, {"emulate_precision_casts": False}),
+# surgery arms: (plan --include, plan --exclude, plan --backend, plan --fold, apply overrides)
+SURGERY_ARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None, bool,
+                              dict[str, Any]]] = {
+    "surgery": ((), (), None, False, {}),
+    "surgery_cg": ((), (), "cudagraphs", False, {}),
+    "surgery_fold": ((), (), None, True, {}),
+    "surgery_pe": (("aggregator.patch_embed",), (), None, False, {}),
+    "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, False, {}),
+    "surgery_noepc": ((), (), None, False, {"emulate_precision_casts": False}),
 }
 ARMS = ("eager", "whole", "hand", "hand_clone", *SURGERY_ARMS)
 TIMED = 50
@@ -117,10 +121,10 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
 def plan_manifest(arm: str) -> Any:
     from surgery.plan import compile_defaults, plan_model
 
-    include, exclude, backend, _ = SURGERY_ARMS[arm]
+    include, exclude, backend, fold, _ = SURGERY_ARMS[arm]
     comp = compile_defaults(backend=backend) if backend else None
     return plan_model("gpu_regions:bf16_model", include=include, exclude=exclude,
-                      compile=comp).manifest
+                      compile=comp, fold=fold).manifest
 
 
 def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
@@ -167,7 +171,7 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
             from surgery import apply_manifest
 
             handle = apply_manifest(model, manifest, warmup=lambda m: warm_pass(m, warm_x),
-                                    overrides=SURGERY_ARMS[arm][3] or None)
+                                    overrides=SURGERY_ARMS[arm][4] or None)
             keys_after = set(model.state_dict())
             counts = handle.report.counts()
             out["report"] = counts
