@@ -11,41 +11,23 @@ start-up included; the median of several runs is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 
-ITEMSIZE = {"F32": 4, "BF16": 2}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from tests_support import write_header_only_safetensors
 
 
 def write_safetensors(path: str, tensors: dict[str, tuple[tuple[int, ...], str]]) -> int:
     """A complete safetensors file with zero-filled data, written for real (not sparse)."""
-    header: dict[str, object] = {}
-    offset = 0
-    for name, (shape, dtype) in sorted(tensors.items()):
-        n = ITEMSIZE[dtype]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    chunk = b"\0" * (64 << 20)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        left = offset
-        while left:
-            k = min(left, len(chunk))
-            f.write(chunk[:k])
-            left -= k
-    return 8 + len(raw) + offset
+    return write_header_only_safetensors(path, tensors, sparse=False)
 
 
 def model_tensors(size: str) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -42,22 +42,10 @@ save_file({{k.replace("_orig_mod.", ""): v.contiguous() for k, v in sd.items()}}
 
 def sparse_safetensors(path: str, tensors: dict[str, tuple[tuple[int, ...], str]]) -> int:
     """A valid safetensors file whose data region is a hole (zeros); returns its size."""
-    itemsize = {"F32": 4, "BF16": 2, "F16": 2}
-    header: dict[str, object] = {}
-    offset = 0
-    for name, (shape, dtype) in sorted(tensors.items()):
-        n = itemsize[dtype]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        f.truncate(8 + len(raw) + offset)
-    return os.path.getsize(path)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tests_support import write_header_only_safetensors
+
+    return write_header_only_safetensors(path, tensors)
 
 
 def lingbot_regional_keys() -> dict[str, tuple[tuple[int, ...], str]]:

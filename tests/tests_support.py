@@ -10,10 +10,13 @@ _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "U8": 1}
 
 
 def write_header_only_safetensors(path: str | os.PathLike[str],
-                                  tensors: dict[str, tuple[tuple[int, ...], str]]) -> int:
-    """A valid safetensors file whose data region is sparse (zeros, no real I/O).
+                                  tensors: dict[str, tuple[tuple[int, ...], str]],
+                                  *, sparse: bool = True) -> int:
+    """A valid safetensors file of zeros; returns its size.
 
-    Returns the file size. Used to plan and verify multi-GB checkpoints in milliseconds.
+    With `sparse` the data region is a hole (no real I/O), which plans and verifies multi-GB
+    checkpoints in milliseconds; without it every byte is written, for benchmarks that must
+    not depend on the file system's holes. Shared by the tests and the benchmarks.
     """
     header: dict[str, object] = {}
     offset = 0
@@ -28,5 +31,12 @@ def write_header_only_safetensors(path: str | os.PathLike[str],
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        f.truncate(8 + len(raw) + offset)
+        if sparse:
+            f.truncate(8 + len(raw) + offset)
+        else:
+            chunk = b"\0" * (64 << 20)
+            left = offset
+            while left:
+                f.write(chunk[: min(left, len(chunk))])
+                left -= min(left, len(chunk))
     return 8 + len(raw) + offset
