@@ -15,15 +15,13 @@ Deployment imports only torch, jsonschema and the manifest reader: no click, no 
 
 from __future__ import annotations
 
-import builtins
-import difflib
 import functools
 import inspect
 import json
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,19 +29,29 @@ import torch
 from torch import nn
 
 from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
-from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
-from surgery.manifest import Manifest, Region, compute_fingerprint, load_manifest, parse_manifest
+from surgery.compile_options import COMPILE_KEYS, CompilePlan, plan_region
+from surgery.errors import RegionError
+from surgery.manifest import Manifest, Region
+from surgery.report import (
+    ApplyReport,
+    CacheIgnoredWarning,
+    RegionFallbackWarning,
+    RegionRecord,
+    SurgeryWarning,
+)
+from surgery.resolve import (
+    ENV_MANIFEST,
+    ManifestSource,
+    check_fingerprint,
+    resolve_manifest,
+    resolve_path,
+)
 
-ENV_MANIFEST = "SURGERY_MANIFEST"
-ManifestSource = Manifest | str | os.PathLike[str] | None
-
-# The compile keys a manifest (or an override) may set; anything else is a typo.
-COMPILE_KEYS: frozenset[str] = frozenset({
-    "backend", "mode", "fullgraph", "dynamic", "options", "emulate_precision_casts",
-    "clone_outputs", "on_cpu",
-})
-# Keys that belong to inductor only: torch hands them to other backends as kwargs they reject.
-_INDUCTOR_ONLY = ("mode", "options")
+__all__ = [
+    "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
+    "ManifestSource", "RegionFallbackWarning", "RegionRecord", "SurgeryWarning", "apply_manifest",
+    "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
+]
 
 # Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint
 # a private pool that holds expandable segments, which is what cudagraph trees do between
@@ -55,102 +63,6 @@ _EXPANDABLE_SEGMENTS_OK_FROM = (2, 5)
 # Errors raised while dynamo traces or a backend compiles. A region that raises one of these
 # falls back to eager; any other exception is the model's own and propagates unchanged.
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
-
-
-class SurgeryWarning(UserWarning):
-    """Something the runtime did differently from what the manifest asked, and why."""
-
-
-class RegionFallbackWarning(SurgeryWarning):
-    """A region could not be compiled and runs eager (one warning per manifest region)."""
-
-
-class CacheIgnoredWarning(SurgeryWarning):
-    """A compile-cache bundle was given but not loaded (stale, corrupt, or for another machine);
-    the regions compile as usual. One warning per apply."""
-
-
-# --- the report --------------------------------------------------------------------------------
-
-@dataclass
-class RegionRecord:
-    """What happened to one region path. ``status`` is live: it is updated as the model runs.
-
-    - ``compiled``: compiled code ran for this path (``graphs_run`` > 0), so it is proven.
-    - ``pending``: compiled and installed, but not called yet (no warm-up, or warm-up did not
-      reach it); it turns ``compiled`` on its first call that runs compiled code.
-    - ``eager``: runs the original code; ``reason`` says why (no CUDA, failed to trace ...).
-    - ``skipped``: an optional path that does not exist on this model.
-    """
-
-    path: str
-    kind: str
-    callable: str
-    status: str
-    reason: str = ""
-    backend: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # what torch.compile was given
-    cuda_graphs: bool = False
-    clone_outputs: bool = False
-    calls: int = 0  # calls into the region
-    compiled_calls: int = 0  # calls in which at least one compiled graph ran
-    eager_calls: int = 0  # calls that ran the original code
-    graphs_run: int = 0  # compiled graph executions
-    compiles: int = 0  # graphs compiled while this path ran
-    recompiles: int = 0  # compiles after its compiled callable had already run once
-    notes: list[str] = field(default_factory=list)
-
-
-class ApplyReport(Sequence[RegionRecord]):
-    """One record per region path, plus what applied to all of them."""
-
-    def __init__(self, records: list[RegionRecord]) -> None:
-        self.records = records
-        self.notes: list[str] = []
-        self.warmup_passes = 0
-        self.dynamo_unique_graphs = 0  # torch._dynamo's own counter, over warm-up
-        self.cache: CacheRecord | None = None  # compile-cache bundle and cache hits, over warm-up
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.records[i]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __iter__(self) -> Iterator[RegionRecord]:
-        return iter(self.records)
-
-    def by_path(self, path: str) -> RegionRecord:
-        for r in self.records:
-            if r.path == path:
-                return r
-        raise KeyError(path)
-
-    def with_status(self, status: str) -> list[RegionRecord]:
-        return [r for r in self.records if r.status == status]
-
-    def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in ("compiled", "pending", "eager", "skipped")}
-        for r in self.records:
-            out[r.status] = out.get(r.status, 0) + 1
-        out["graphs_compiled"] = sum(r.compiles for r in self.records)
-        out["recompiles"] = sum(r.recompiles for r in self.records)
-        return out
-
-    def summary(self) -> str:
-        """A plain-text table for logs and the CLI (the library itself never prints)."""
-        c = self.counts()
-        lines = [f"{c['compiled']} compiled, {c['pending']} pending, {c['eager']} eager, "
-                 f"{c['skipped']} skipped; {c['graphs_compiled']} graph(s) compiled, "
-                 f"{c['recompiles']} recompile(s), {self.warmup_passes} warm-up pass(es)"]
-        for r in self.records:
-            why = f"  ({r.reason})" if r.reason else ""
-            lines.append(f"  {r.status:8} {r.kind:14} {r.path}  calls={r.calls} "
-                         f"graphs_run={r.graphs_run} recompiles={r.recompiles}{why}")
-        if self.cache is not None and self.cache.line():
-            lines.append(f"  {self.cache.line()}")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 # --- counting what runs ------------------------------------------------------------------------
@@ -404,266 +316,6 @@ def mark_step() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-# --- manifest sources --------------------------------------------------------------------------
-
-def resolve_manifest(source: ManifestSource) -> Manifest:
-    """A Manifest from a Manifest, a ``.toml`` path, an exported ``.safetensors``, or the env."""
-    if source is None:
-        env = os.environ.get(ENV_MANIFEST, "").strip()
-        if not env:
-            raise ManifestError(
-                f"no manifest was given and {ENV_MANIFEST} is not set",
-                hint=f"pass apply_manifest(model, 'model{'.surgery.toml'}'), or set "
-                     f"{ENV_MANIFEST}=/path/to/model.surgery.toml")
-        source = env
-    if isinstance(source, Manifest):
-        return source
-    path = os.fspath(source)
-    if path.endswith((".safetensors", ".index.json")):  # an export, single file or sharded
-        return _embedded_manifest(path)
-    return load_manifest(path)
-
-
-def _embedded_manifest(path: str) -> Manifest:
-    reader = None
-    for mod in ("surgery.checkpoint", "surgery.hygiene"):
-        try:
-            reader = getattr(__import__(mod, fromlist=["read_embedded_manifest"]),
-                             "read_embedded_manifest", None)
-        except ImportError:
-            continue
-        if reader is not None:
-            break
-    if reader is None:
-        raise ManifestError(
-            f"{path}: reading a manifest embedded in a .safetensors file needs "
-            "read_embedded_manifest, which this installation of surgery lacks", path=path,
-            hint="pass the .surgery.toml manifest instead, or upgrade surgery")
-    found = reader(path)
-    if found is None:
-        raise ManifestError(f"{path}: carries no embedded surgery manifest", path=path,
-                            hint="export it with `surgery export`, or pass the .surgery.toml")
-    if isinstance(found, Manifest):
-        return found
-    if isinstance(found, str):
-        return parse_manifest(found, path=path)
-    if isinstance(found, Mapping):
-        from surgery.manifest import validate
-
-        validate(found, path=path)
-        m = Manifest.from_dict(found)
-        m.source_path = path
-        return m
-    raise ManifestError(f"{path}: the embedded manifest reader returned {type(found).__name__}",
-                        path=path)
-
-
-def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
-    """Compare the manifest's fingerprint with the live model's state dict (canonical keys)."""
-    from surgery.hygiene import model_fingerprint
-
-    # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
-    sd = model.state_dict()
-    actual = model_fingerprint(sd) or compute_fingerprint(sd)
-    if actual != manifest.fingerprint:
-        where = manifest.source_path or "the manifest"
-        msg = (f"{where} was planned for a different model: its fingerprint is "
-               f"{manifest.fingerprint}, the live model's state dict gives {actual}")
-        hint = ("plan the manifest again for this checkpoint (`surgery plan`), or pass "
-                "strict=False to apply it anyway")
-        if strict:
-            raise FingerprintMismatchError(msg, expected=manifest.fingerprint, actual=actual,
-                                           hint=hint)
-        warnings.warn(f"surgery: {msg} (strict=False: applying anyway)", SurgeryWarning,
-                      stacklevel=3)
-    return actual
-
-
-# --- resolution --------------------------------------------------------------------------------
-
-def _closest(name: str, candidates: Sequence[str]) -> str | None:
-    hits = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return hits[0] if hits else None
-
-
-def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Module, str]:
-    """(module, attribute name) for a region path, or RegionError naming the closest real name.
-
-    ``forward`` paths are module paths; ``method`` paths end in a method of the module before.
-    """
-    parts = path.split(".")
-    mod_parts = parts if callable == "forward" else parts[:-1]
-    mod: nn.Module = model
-    for i, seg in enumerate(mod_parts):
-        children = dict(mod.named_children())
-        child = children.get(seg)
-        if child is None:
-            here = ".".join(parts[:i]) or "the model"
-            near = _closest(seg, list(children))
-            if near is None and callable == "forward" and i == len(mod_parts) - 1:
-                near = _closest(seg, _methods(mod))  # a method listed as a forward region
-            guess = ".".join([*parts[:i], near, *parts[i + 1:]]) if near else None
-            raise RegionError(
-                f"region path {path!r} does not resolve: {here} ({type(mod).__name__}) has no "
-                f"submodule {seg!r}" + (f"; did you mean {guess!r}?" if guess else
-                                        f"; it has {sorted(children)[:8]}"),
-                region=path, hint="fix the path in the manifest, or plan it again")
-        mod = child
-    if callable == "forward":
-        return mod, "forward"
-    name = parts[-1]
-    owner = ".".join(parts[:-1]) or "the model"
-    if isinstance(getattr(mod, name, None), nn.Module):
-        raise RegionError(
-            f"region path {path!r} names a submodule, not a method", region=path,
-            hint=f"list {path!r} in a region with callable = \"forward\"")
-    attr = getattr(type(mod), name, None) if name not in vars(mod) else vars(mod)[name]
-    if attr is None or not builtins.callable(attr):
-        near = _closest(name, _methods(mod))
-        guess = f"{owner}.{near}" if near and owner != "the model" else near
-        raise RegionError(
-            f"region path {path!r} does not resolve: {owner} ({type(mod).__name__}) has no "
-            f"method {name!r}" + (f"; did you mean {guess!r}?" if guess else ""),
-            region=path, hint="fix the method name in the manifest, or plan it again")
-    return mod, name
-
-
-def _methods(mod: nn.Module) -> list[str]:
-    names: set[str] = set()
-    for klass in type(mod).__mro__:
-        if klass in (nn.Module, object):
-            break
-        names.update(n for n, v in vars(klass).items()
-                     if not n.startswith("_") and inspect.isfunction(v))
-    return sorted(names)
-
-
-# --- options -----------------------------------------------------------------------------------
-
-@dataclass
-class _Plan:
-    backend: str
-    options: dict[str, Any]  # what the record shows
-    config_patches: dict[str, Any] | None  # inductor only
-    fullgraph: bool
-    dynamic: bool | None
-    cuda_graphs: bool
-    clone_outputs: bool
-    eager_reason: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, Any] | None,
-                on_cuda: bool) -> _Plan:
-    """The compile settings of one region: defaults, region overrides, then call overrides.
-
-    An override of ``None`` removes a key (e.g. ``{"mode": None, "options": {...}}``).
-    """
-    layers = [dict(manifest.compile), dict(region.compile), dict(overrides or {})]
-    opts: dict[str, Any] = {}
-    origin: dict[str, int] = {}
-    for level, layer in enumerate(layers):
-        for k, v in layer.items():
-            if k not in COMPILE_KEYS:
-                near = _closest(k, sorted(COMPILE_KEYS))
-                raise RegionError(
-                    f"compile option {k!r} is unknown" + (f"; did you mean {near!r}?" if near
-                                                          else ""),
-                    region=region.kind, hint=f"use one of {sorted(COMPILE_KEYS)}")
-            if v is None:
-                opts.pop(k, None)
-                origin.pop(k, None)
-            else:
-                opts[k], origin[k] = v, level
-    notes: list[str] = []
-    backend = str(opts.get("backend", "inductor"))
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        near = _closest(backend, known)
-        raise RegionError(
-            f"region {region.kind!r}: compile backend {backend!r} is not a torch.compile "
-            "backend" + (f"; did you mean {near!r}?" if near else ""), region=region.kind,
-            hint="use 'inductor', or 'cudagraphs' / 'aot_eager' / 'eager'")
-    if backend != "inductor":
-        for k in _INDUCTOR_ONLY:
-            if k not in opts:
-                continue
-            if origin[k] < origin.get("backend", 0):
-                notes.append(f"{k}={opts.pop(k)!r} dropped: it belongs to inductor and the "
-                             f"backend is {backend!r}")
-            else:
-                raise RegionError(
-                    f"region {region.kind!r}: {k!r} is an inductor setting but the backend is "
-                    f"{backend!r}", region=region.kind,
-                    hint=f"remove {k!r}, or use backend 'inductor'")
-    if "mode" in opts and "options" in opts:
-        raise RegionError(
-            f"region {region.kind!r}: compile sets both mode={opts['mode']!r} and options, "
-            "which torch.compile refuses", region=region.kind,
-            hint="keep one: mode='reduce-overhead' is options={'triton.cudagraphs': True}; "
-                 "an override of {'mode': None} removes an inherited mode")
-    patches: dict[str, Any] | None = None
-    cuda_graphs = backend == "cudagraphs"
-    if backend == "inductor":
-        from torch._inductor import list_mode_options
-
-        mode = opts.get("mode")
-        try:
-            patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
-        except RuntimeError as e:
-            raise RegionError(f"region {region.kind!r}: {e}", region=region.kind) from None
-        patches.update(opts.get("options", {}))
-        if opts.get("emulate_precision_casts", True):
-            patches.setdefault("emulate_precision_casts", True)
-        _check_inductor_options(patches, region)
-        cuda_graphs = bool(patches.get("triton.cudagraphs", False))
-    eager_reason = None
-    if cuda_graphs and not on_cuda:
-        if backend != "inductor":
-            what = f"backend={backend!r}"
-        elif "mode" in opts:
-            what = f"mode={opts['mode']!r}"
-        else:
-            what = "options triton.cudagraphs"
-        if opts.get("on_cpu", "eager") == "compile":
-            if backend == "inductor":
-                assert patches is not None
-                patches["triton.cudagraphs"] = False
-                notes.append(f"CUDA-graph region ({what}) without CUDA: compiled with inductor "
-                             "on the CPU, without CUDA graphs (on_cpu='compile')")
-            else:
-                backend = "aot_eager"
-                notes.append(f"CUDA-graph region ({what}) without CUDA: compiled with "
-                             "aot_eager, the same graph without the CUDA graph (on_cpu='compile')")
-            cuda_graphs = False
-        else:
-            eager_reason = (f"CUDA-graph region ({what}) without CUDA: runs eager "
-                            "(on_cpu='eager'; set on_cpu='compile' to compile on the CPU)")
-    shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic")
-                             if k in opts}
-    shown["backend"] = backend
-    if patches:
-        shown["inductor_config"] = dict(patches)
-    return _Plan(backend=backend, options=shown, config_patches=patches,
-                 fullgraph=bool(opts.get("fullgraph", True)), dynamic=opts.get("dynamic"),
-                 cuda_graphs=cuda_graphs,
-                 clone_outputs=cuda_graphs and bool(opts.get("clone_outputs", True)),
-                 eager_reason=eager_reason, notes=notes)
-
-
-def _check_inductor_options(patches: Mapping[str, Any], region: Region) -> None:
-    from torch._inductor import config as inductor_config
-
-    valid = inductor_config.get_config_copy()
-    for k in patches:
-        if k.replace("-", "_") not in valid:
-            near = _closest(k, list(valid))
-            raise RegionError(
-                f"region {region.kind!r}: inductor has no option {k!r}" +
-                (f"; did you mean {near!r}?" if near else ""), region=region.kind,
-                hint="see torch._inductor.list_options()")
-
-
 def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
     for t in (*module.parameters(), *module.buffers(), *model.parameters(), *model.buffers()):
         return t.device
@@ -799,7 +451,7 @@ def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:
                     hint="keep one of the two (`surgery plan` resolves nesting)")
 
 
-def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: _Plan,
+def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: CompilePlan,
              groups: dict[tuple[Any, ...], _Group], state: _HandleState) -> _Slot:
     own = vars(mod).get(name)
     if getattr(own, "__surgery_slot__", None) is not None:

@@ -1,0 +1,158 @@
+"""Where a manifest comes from, and where its region paths lead on a live model.
+
+A manifest comes as a Manifest, a ``.surgery.toml`` path, an exported ``.safetensors`` file that
+carries it, or ``$SURGERY_MANIFEST``. A region path that does not resolve is an error naming the
+closest real name, since a misspelt path (``fnn_residual``) would otherwise compile nothing.
+"""
+
+from __future__ import annotations
+
+import builtins
+import difflib
+import inspect
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
+from surgery.manifest import Manifest, compute_fingerprint, load_manifest, parse_manifest
+from surgery.report import SurgeryWarning
+
+ENV_MANIFEST = "SURGERY_MANIFEST"
+ManifestSource = Manifest | str | os.PathLike[str] | None
+
+
+# --- manifest sources --------------------------------------------------------------------------
+
+def resolve_manifest(source: ManifestSource) -> Manifest:
+    """A Manifest from a Manifest, a ``.toml`` path, an exported ``.safetensors``, or the env."""
+    if source is None:
+        env = os.environ.get(ENV_MANIFEST, "").strip()
+        if not env:
+            raise ManifestError(
+                f"no manifest was given and {ENV_MANIFEST} is not set",
+                hint=f"pass apply_manifest(model, 'model{'.surgery.toml'}'), or set "
+                     f"{ENV_MANIFEST}=/path/to/model.surgery.toml")
+        source = env
+    if isinstance(source, Manifest):
+        return source
+    path = os.fspath(source)
+    if path.endswith((".safetensors", ".index.json")):  # an export, single file or sharded
+        return _embedded_manifest(path)
+    return load_manifest(path)
+
+
+def _embedded_manifest(path: str) -> Manifest:
+    reader = None
+    for mod in ("surgery.checkpoint", "surgery.hygiene"):
+        try:
+            reader = getattr(__import__(mod, fromlist=["read_embedded_manifest"]),
+                             "read_embedded_manifest", None)
+        except ImportError:
+            continue
+        if reader is not None:
+            break
+    if reader is None:
+        raise ManifestError(
+            f"{path}: reading a manifest embedded in a .safetensors file needs "
+            "read_embedded_manifest, which this installation of surgery lacks", path=path,
+            hint="pass the .surgery.toml manifest instead, or upgrade surgery")
+    found = reader(path)
+    if found is None:
+        raise ManifestError(f"{path}: carries no embedded surgery manifest", path=path,
+                            hint="export it with `surgery export`, or pass the .surgery.toml")
+    if isinstance(found, Manifest):
+        return found
+    if isinstance(found, str):
+        return parse_manifest(found, path=path)
+    if isinstance(found, Mapping):
+        from surgery.manifest import validate
+
+        validate(found, path=path)
+        m = Manifest.from_dict(found)
+        m.source_path = path
+        return m
+    raise ManifestError(f"{path}: the embedded manifest reader returned {type(found).__name__}",
+                        path=path)
+
+
+def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
+    """Compare the manifest's fingerprint with the live model's state dict (canonical keys)."""
+    from surgery.hygiene import model_fingerprint
+
+    # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
+    sd = model.state_dict()
+    actual = model_fingerprint(sd) or compute_fingerprint(sd)
+    if actual != manifest.fingerprint:
+        where = manifest.source_path or "the manifest"
+        msg = (f"{where} was planned for a different model: its fingerprint is "
+               f"{manifest.fingerprint}, the live model's state dict gives {actual}")
+        hint = ("plan the manifest again for this checkpoint (`surgery plan`), or pass "
+                "strict=False to apply it anyway")
+        if strict:
+            raise FingerprintMismatchError(msg, expected=manifest.fingerprint, actual=actual,
+                                           hint=hint)
+        warnings.warn(f"surgery: {msg} (strict=False: applying anyway)", SurgeryWarning,
+                      stacklevel=3)
+    return actual
+
+
+# --- resolution --------------------------------------------------------------------------------
+
+def closest_name(name: str, candidates: Sequence[str]) -> str | None:
+    hits = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Module, str]:
+    """(module, attribute name) for a region path, or RegionError naming the closest real name.
+
+    ``forward`` paths are module paths; ``method`` paths end in a method of the module before.
+    """
+    parts = path.split(".")
+    mod_parts = parts if callable == "forward" else parts[:-1]
+    mod: nn.Module = model
+    for i, seg in enumerate(mod_parts):
+        children = dict(mod.named_children())
+        child = children.get(seg)
+        if child is None:
+            here = ".".join(parts[:i]) or "the model"
+            near = closest_name(seg, list(children))
+            if near is None and callable == "forward" and i == len(mod_parts) - 1:
+                near = closest_name(seg, _methods(mod))  # a method listed as a forward region
+            guess = ".".join([*parts[:i], near, *parts[i + 1:]]) if near else None
+            raise RegionError(
+                f"region path {path!r} does not resolve: {here} ({type(mod).__name__}) has no "
+                f"submodule {seg!r}" + (f"; did you mean {guess!r}?" if guess else
+                                        f"; it has {sorted(children)[:8]}"),
+                region=path, hint="fix the path in the manifest, or plan it again")
+        mod = child
+    if callable == "forward":
+        return mod, "forward"
+    name = parts[-1]
+    owner = ".".join(parts[:-1]) or "the model"
+    if isinstance(getattr(mod, name, None), nn.Module):
+        raise RegionError(
+            f"region path {path!r} names a submodule, not a method", region=path,
+            hint=f"list {path!r} in a region with callable = \"forward\"")
+    attr = getattr(type(mod), name, None) if name not in vars(mod) else vars(mod)[name]
+    if attr is None or not builtins.callable(attr):
+        near = closest_name(name, _methods(mod))
+        guess = f"{owner}.{near}" if near and owner != "the model" else near
+        raise RegionError(
+            f"region path {path!r} does not resolve: {owner} ({type(mod).__name__}) has no "
+            f"method {name!r}" + (f"; did you mean {guess!r}?" if guess else ""),
+            region=path, hint="fix the method name in the manifest, or plan it again")
+    return mod, name
+
+
+def _methods(mod: nn.Module) -> list[str]:
+    names: set[str] = set()
+    for klass in type(mod).__mro__:
+        if klass in (nn.Module, object):
+            break
+        names.update(n for n, v in vars(klass).items()
+                     if not n.startswith("_") and inspect.isfunction(v))
+    return sorted(names)
