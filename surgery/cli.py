@@ -71,6 +71,7 @@ def cli() -> None:
       surgery check model.surgery.toml        # validate a (hand-edited) manifest
       surgery verify model.ckpt               # prove the keys are prefix-free (CI gate)
       surgery export model.ckpt -o clean.safetensors --manifest model.surgery.toml
+      surgery warm --model pkg.mod:build --manifest model.surgery.toml --input pkg.mod:example
     Then, in deployment: surgery.apply_manifest(model, "model.surgery.toml", warmup=...)
     """
 
