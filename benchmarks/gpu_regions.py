@@ -104,18 +104,16 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
     """LingBot-Map's compile_model, as published: swap blocks, compile methods and attn.proj."""
     import torch
 
-    agg = model.aggregator
-    for blocks in (agg.frame_blocks, agg.patch_embed.blocks):
-        for i in range(len(blocks)):
-            blocks[i] = torch.compile(blocks[i], mode="reduce-overhead")
-    for blk in agg.global_blocks:
+    from surgery.examples import swap_in_compiled_blocks
+
+    swap_in_compiled_blocks(model, mode="reduce-overhead")  # blocks and attn.proj
+    for blk in model.aggregator.global_blocks:
         pre = torch.compile(blk.attn_pre, mode="reduce-overhead")
         if clone:
             blk.attn_pre = (lambda f: lambda x: tuple(t.clone() for t in f(x)))(pre)
         else:
             blk.attn_pre = pre
         blk.ffn_residual = torch.compile(blk.ffn_residual, mode="reduce-overhead")
-        blk.attn.proj = torch.compile(blk.attn.proj, mode="reduce-overhead")
 
 
 def plan_manifest(arm: str) -> Any:

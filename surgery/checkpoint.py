@@ -360,13 +360,18 @@ def _infos_from_state_dict(sd: Mapping[str, Any]) -> dict[str, TensorInfo]:
     return {str(k): TensorInfo(tuple(v.shape), normalize_dtype(v.dtype)) for k, v in sd.items()}
 
 
+def refuse_key_for_safetensors(path: str, key: str | None) -> None:
+    """`--key` chooses a container entry; a safetensors file has none."""
+    if key is not None:
+        raise CheckpointError(f"{path}: --key does not apply to safetensors files",
+                              path=path, hint="drop --key; a safetensors file is flat")
+
+
 def read_checkpoint(path: str, *, key: str | None = None) -> CheckpointInfo:
     """Read the keys, shapes and dtypes of any supported checkpoint."""
     kind = checkpoint_kind(path)
     if kind == "safetensors":
-        if key is not None:
-            raise CheckpointError(f"{path}: --key does not apply to safetensors files",
-                                  path=path, hint="drop --key; a safetensors file is flat")
+        refuse_key_for_safetensors(path, key)
         tensors, meta, _ = read_safetensors_header(path)
         return CheckpointInfo(path, kind, tensors, metadata=meta, files=[path])
     if kind == "pickle":

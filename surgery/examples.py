@@ -18,6 +18,7 @@ them (pytorch#152887), unless the region's outputs are cloned outside the graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -207,22 +208,30 @@ def example_input(model: ExampleModel) -> torch.Tensor:
     return model.example_input()
 
 
-def save_hand_compiled_checkpoint(path: str, *, size: str = "tiny") -> int:
-    """Save the example model the way a hand-written regional-compile recipe leaves it.
+def swap_in_compiled_blocks(model: ExampleModel, **compile_kwargs: Any) -> ExampleModel:
+    """LingBot-Map's hand-written recipe, module part: swap modules for compiled ones in place.
 
-    LingBot-Map's recipe swaps blocks for `torch.compile(block)` in their parents, so the saved
-    keys gain `_orig_mod.` in the middle. Returns how many keys carry it. Nothing is compiled
-    here: `torch.compile` is lazy, and only the wrapper's keys matter.
+    Frame blocks, patch-embed blocks and every global block's `attn.proj` are replaced in their
+    parents by `torch.compile(module, **compile_kwargs)`, so a state dict saved afterwards gains
+    `_orig_mod.` in the middle of its keys. `torch.compile` is lazy: nothing compiles until the
+    model runs.
     """
-    model = tiny() if size == "tiny" else lingbot()
     agg = model.aggregator
     for blocks in (agg.frame_blocks, agg.patch_embed.blocks):
         for i in range(len(blocks)):
-            blocks[i] = torch.compile(blocks[i])  # type: ignore[assignment]
+            blocks[i] = torch.compile(blocks[i], **compile_kwargs)  # type: ignore[assignment]
     for blk in agg.global_blocks:
         assert isinstance(blk, GlobalBlock)
-        blk.attn.proj = torch.compile(blk.attn.proj)  # type: ignore[assignment]
-    sd = model.state_dict()
+        blk.attn.proj = torch.compile(blk.attn.proj, **compile_kwargs)  # type: ignore[assignment]
+    return model
+
+
+def save_hand_compiled_checkpoint(path: str, *, size: str = "tiny") -> int:
+    """Save the example model the way a hand-written regional-compile recipe leaves it.
+
+    Returns how many keys carry `_orig_mod.`.
+    """
+    sd = swap_in_compiled_blocks(tiny() if size == "tiny" else lingbot()).state_dict()
     torch.save({"state_dict": sd, "epoch": 1}, path)
     return sum("_orig_mod." in k for k in sd)
 

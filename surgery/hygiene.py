@@ -31,7 +31,6 @@ from surgery.checkpoint import (
 from surgery.errors import (
     CheckpointError,
     FingerprintMismatchError,
-    KeyCollisionError,
     SurgeryError,
 )
 from surgery.keys import (
@@ -42,6 +41,7 @@ from surgery.keys import (
     Finding,
     canonical_key,
     check_keys,
+    collision_error,
     common_attribute_prefix,
     is_bookkeeping,
     module_paths,
@@ -403,15 +403,7 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
                 hint="re-save with FSDP use_orig_params=True or a full state dict, then export")
         mk = model_keys(keys, prefix=prefix)
         if mk.collisions:
-            items = list(mk.collisions.items())
-            shown = "; ".join(" + ".join(repr(k) for k in ks) + f" -> {c!r}"
-                              for c, ks in items[:5])
-            more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
-            raise KeyCollisionError(
-                f"{path}: {len(items)} key(s) would merge into one: {shown}{more}",
-                collisions=mk.collisions,
-                hint="the file holds two copies of the model (e.g. an EMA `module.` copy beside "
-                "the online weights): pick one with --prefix module. or --key ENTRY")
+            raise collision_error(mk.collisions, source=path)
         if not mk.names:
             raise CheckpointError(f"{path}: nothing to export (no key is under --prefix "
                                   f"{prefix})", path=path, hint="check the prefix")

@@ -87,20 +87,26 @@ def find_collisions(keys: Iterable[str]) -> dict[str, list[str]]:
     return {c: sorted(orig) for c, orig in sorted(groups.items()) if len(orig) > 1}
 
 
+def collision_error(collisions: dict[str, list[str]], *, source: str = "") -> KeyCollisionError:
+    """The error for keys that would merge into one, listing both originals of each merge."""
+    items = list(collisions.items())
+    shown = "; ".join(" + ".join(repr(k) for k in ks) + f" -> {c!r}" for c, ks in items[:5])
+    more = f" (and {len(items) - 5} more)" if len(items) > 5 else ""
+    where = f"{source}: " if source else ""
+    return KeyCollisionError(
+        f"{where}{len(items)} key(s) would merge into one: {shown}{more}",
+        collisions=collisions,
+        hint="the file holds two copies of the model (e.g. an EMA `module.` copy beside the "
+        "online weights): pick one with --prefix module. or --key ENTRY",
+    )
+
+
 def canonical_map(keys: Iterable[str]) -> dict[str, str]:
     """Map every original key to its canonical key. Refuses (raises) when keys would collide."""
     keys = list(keys)
     collisions = find_collisions(keys)
     if collisions:
-        shown = "; ".join(" + ".join(repr(k) for k in ks) + f" -> {c!r}" for c, ks in
-                          list(collisions.items())[:5])
-        more = f" (and {len(collisions) - 5} more)" if len(collisions) > 5 else ""
-        raise KeyCollisionError(
-            f"{len(collisions)} canonical key(s) would merge two originals: {shown}{more}",
-            collisions=collisions,
-            hint="the checkpoint holds two copies of the model (e.g. an EMA `module.` copy next "
-            "to the online weights); select one with --prefix or --key before exporting",
-        )
+        raise collision_error(collisions)
     return {k: canonical_key(k) for k in keys}
 
 

@@ -106,7 +106,7 @@ def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
     wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
     mk = model_keys(list(tensors), prefix=prefix)
     if mk.collisions:
-        keymod.canonical_map(k for ks in mk.collisions.values() for k in ks)  # raises, listing both
+        raise keymod.collision_error(mk.collisions)
     if not mk.names:
         raise CheckpointError(
             f"no key is under the prefix {prefix!r}", path="",

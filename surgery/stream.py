@@ -28,6 +28,7 @@ from surgery.checkpoint import (
     normalize_dtype,
     read_index,
     read_safetensors_layout,
+    refuse_key_for_safetensors,
     select_state_dict,
     torch_load_safely,
 )
@@ -275,9 +276,7 @@ def open_source(path: str, *, key: str | None = None) -> TensorSource:
     """Open any supported checkpoint for streaming reads (see read_checkpoint for `key`)."""
     kind = checkpoint_kind(path)
     if kind == "safetensors":
-        if key is not None:
-            raise CheckpointError(f"{path}: --key does not apply to safetensors files",
-                                  path=path, hint="drop --key; a safetensors file is flat")
+        refuse_key_for_safetensors(path, key)
         return SafetensorsSource(path)
     if kind == "pickle":
         return PickleSource(path, key=key)

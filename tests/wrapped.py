@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.optim.swa_utils import AveragedModel
 
-from surgery.examples import tiny
+from surgery.examples import swap_in_compiled_blocks, tiny
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -30,13 +30,7 @@ def _compile(m: nn.Module) -> nn.Module:
 
 def _regional(m: nn.Module) -> nn.Module:
     """LingBot-Map's recipe: swap blocks and attn.proj for OptimizedModules in their parents."""
-    agg = m.aggregator  # type: ignore[attr-defined]
-    for blocks in (agg.frame_blocks, agg.patch_embed.blocks):
-        for i in range(len(blocks)):
-            blocks[i] = _compile(blocks[i])
-    for blk in agg.global_blocks:
-        blk.attn.proj = _compile(blk.attn.proj)
-    return m
+    return swap_in_compiled_blocks(m, backend="eager")  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
