@@ -15,3 +15,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Empty dynamo caches and counters before and after the test, so counts are its own."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -34,12 +34,7 @@ EXACT = {"atol": 1e-6, "rtol": 1e-5}
 INDUCTOR_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test starts from empty dynamo caches and counters, so counts are its own."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 # --- models and manifests ----------------------------------------------------------------------

@@ -25,11 +25,7 @@ FRAMES = 4
 TOL = {"atol": 1e-3, "rtol": 1e-3}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _global_block_manifest(model: torch.nn.Module, *, clone: bool) -> Manifest:

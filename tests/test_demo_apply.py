@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import pytest
 
 from surgery.demo_apply import main
 from surgery.examples import save_hand_compiled_checkpoint
@@ -11,8 +11,8 @@ from surgery.manifest import save_manifest
 from surgery.plan import plan_checkpoint
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_demo_applies_the_embedded_manifest(tmp_path, capsys) -> None:
-    torch._dynamo.reset()
     ckpt = str(tmp_path / "example.pt")
     save_hand_compiled_checkpoint(ckpt)
     manifest = str(tmp_path / "example.surgery.toml")
@@ -23,7 +23,6 @@ def test_demo_applies_the_embedded_manifest(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "6 compiled, 0 pending, 0 eager" in printed
     assert "state-dict keys unchanged" in printed
-    torch._dynamo.reset()
 
 
 def test_demo_usage(capsys) -> None:
