@@ -268,3 +268,16 @@ def test_plan_clones_only_outputs_that_outlive_the_step() -> None:
     clone = {r.kind: manifest.region_compile(r)["clone_outputs"] for r in manifest.regions}
     assert clone == {"frame_block": False, "patch_embed_block": False, "attn_proj": False,
                      "ffn_residual": False, "attn_pre": True}
+
+
+def test_plan_refuses_keys_that_would_merge(tmp_path) -> None:
+    """An EMA `module.` copy beside the online weights: both originals are named."""
+    sd = tiny().state_dict()
+    both = {**sd, **{f"module.{k}": v for k, v in sd.items()}}
+    torch.save(both, tmp_path / "two.pt")
+    res = CliRunner().invoke(cli, ["plan", str(tmp_path / "two.pt")])
+    assert res.exit_code == 3, res.output
+    k = "aggregator.frame_blocks.0.attn.proj.bias"
+    assert f"79 key(s) would merge into one: {k!r} + 'module.{k}' -> {k!r}" in res.output
+    assert "--prefix module." in res.output
+    assert not (tmp_path / "two.surgery.toml").exists()

@@ -98,3 +98,12 @@ def test_pickle_source_pages_released_data_intact(tmp_path) -> None:
         src.close()
     assert first == second == big.numpy().tobytes()
     assert view == big[::2].contiguous().numpy().tobytes()
+
+
+def test_open_source_refuses_key_for_safetensors(tmp_path) -> None:
+    from surgery.errors import CheckpointError
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"w": torch.zeros(2)}, path)
+    with pytest.raises(CheckpointError, match="--key does not apply"):
+        open_source(path, key="state_dict")
