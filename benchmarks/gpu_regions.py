@@ -14,6 +14,9 @@ Arms (each in a fresh process, all in one call):
   hand_clone     the same, with attn_pre's outputs cloned by hand (what a user must add to
                  keep a KV cache of them alive across replays)
   surgery        `surgery plan` of the live model, then apply_manifest with its defaults
+  surgery_region the same, planned with --capture region: surgery captures one CUDA graph per
+                 region path and replays it without entering dynamo (surgery.graphs)
+  surgery_region_fold   --capture region --fold
   surgery_cg     the same manifest planned with --backend cudagraphs
   surgery_fold   `surgery plan --fold`: the whole patch embed as one region, 1 graph replay
                  instead of 24 (surgery_pe gets the same with --include aggregator.patch_embed)
@@ -45,15 +48,18 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-# surgery arms: (plan --include, plan --exclude, plan --backend, plan --fold, apply overrides)
+# surgery arms: (plan --include, plan --exclude, plan --backend, plan --fold, apply overrides,
+# plan --capture)
 SURGERY_ARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None, bool,
-                              dict[str, Any]]] = {
-    "surgery": ((), (), None, False, {}),
-    "surgery_cg": ((), (), "cudagraphs", False, {}),
-    "surgery_fold": ((), (), None, True, {}),
-    "surgery_pe": (("aggregator.patch_embed",), (), None, False, {}),
-    "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, False, {}),
-    "surgery_noepc": ((), (), None, False, {"emulate_precision_casts": False}),
+                              dict[str, Any], str | None]] = {
+    "surgery": ((), (), None, False, {}, None),
+    "surgery_region": ((), (), None, False, {}, "region"),
+    "surgery_region_fold": ((), (), None, True, {}, "region"),
+    "surgery_cg": ((), (), "cudagraphs", False, {}, None),
+    "surgery_fold": ((), (), None, True, {}, None),
+    "surgery_pe": (("aggregator.patch_embed",), (), None, False, {}, None),
+    "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, False, {}, None),
+    "surgery_noepc": ((), (), None, False, {"emulate_precision_casts": False}, None),
 }
 ARMS = ("eager", "whole", "hand", "hand_clone", *SURGERY_ARMS)
 TIMED = 50
@@ -119,8 +125,8 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
 def plan_manifest(arm: str) -> Any:
     from surgery.plan import compile_defaults, plan_model
 
-    include, exclude, backend, fold, _ = SURGERY_ARMS[arm]
-    comp = compile_defaults(backend=backend) if backend else None
+    include, exclude, backend, fold, _, capture = SURGERY_ARMS[arm]
+    comp = compile_defaults(backend=backend, capture=capture)
     return plan_model("gpu_regions:bf16_model", include=include, exclude=exclude,
                       compile=comp, fold=fold).manifest
 
@@ -191,6 +197,7 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
                 pass
         step = arm not in ("eager", "whole")
         times: list[float] = []
+        host: list[float] = []  # host time until the call returns (CUDA: launches, not work)
         outputs: list[Any] = []
         for i in range(n_frames):
             x = xs[(window + i) % len(xs)]
@@ -200,7 +207,9 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
+                t = time.perf_counter()
                 y = call(x)
+                host.append((time.perf_counter() - t) * 1e3)
                 end.record()
                 sync()
                 times.append(start.elapsed_time(end))
@@ -232,6 +241,11 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
         changed_keys=len(keys_before - keys_after),
         gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
     )
+    if host:
+        out["host_ms"] = round(statistics.median(host[-TIMED:]), 3)
+    if handle is not None:
+        out["graphs_captured"] = sum(r.graphs_captured for r in handle.report)
+        out["graph_replays"] = sum(r.graph_replays for r in handle.report)
     ref_path = os.environ.get("GPU_REGIONS_REF")
     if ref_path:
         if arm == "eager":

@@ -31,6 +31,7 @@ from torch import nn
 from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
 from surgery.compile_options import COMPILE_KEYS, CompilePlan, plan_region
 from surgery.errors import RegionError
+from surgery.graphs import Capturer, CudaCapturer, RegionGraphs
 from surgery.manifest import Manifest, Region
 from surgery.report import (
     ApplyReport,
@@ -150,12 +151,32 @@ class _Slot:
     state: _HandleState
     mode: str = "compiled"  # "compiled" | "eager" | "restored"
 
+    graphs: RegionGraphs | None = None  # surgery's own CUDA graphs (capture = "region")
+
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self.record
         rec.calls += 1
         if self.mode != "compiled":
             rec.eager_calls += 1
             return self.eager(*args, **kwargs)
+        graphs = self.graphs
+        if graphs is None:
+            out = self.run_compiled(args, kwargs)[0]
+            return _clone_tensors(out) if rec.clone_outputs else out
+        replays = graphs.replays
+        out = graphs(args, kwargs, self.run_compiled)
+        if graphs.replays > replays:  # a replay of a graph captured from compiled code
+            rec.compiled_calls += 1
+            rec.graph_replays += 1
+        rec.graphs_captured = graphs.captures
+        rec.clone_outputs = graphs.clone
+        return out
+
+    def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        """Run the compiled callable (eager after a compile failure); True if a graph ran."""
+        rec = self.record
+        if self.mode != "compiled":
+            return self.eager(*args, **kwargs), False
         g = self.group
         ran_before = rec.graphs_run
         stack = getattr(_ACTIVE, "stack", None)
@@ -167,18 +188,30 @@ class _Slot:
                 g.compiled(*args, **kwargs)
         except _COMPILE_ERRORS as exc:
             stack.pop()
-            return self._fall_back(exc, args, kwargs)
+            return self._fall_back(exc, args, kwargs), False
         stack.pop()
         g.backend.calls_done += 1
         if rec.graphs_run > ran_before:
             rec.compiled_calls += 1
             if rec.status != "compiled":  # pending, or unproven after warm-up
                 rec.status, rec.reason = "compiled", ""
-        else:
-            rec.eager_calls += 1  # dynamo ran the frame without a graph (e.g. recompile limit)
-        if rec.clone_outputs:
-            out = _clone_tensors(out)
-        return out
+            return out, True
+        rec.eager_calls += 1  # dynamo ran the frame without a graph (e.g. recompile limit)
+        return out, False
+
+    def raw_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The compiled callable itself, outside the accounting (what a capture records)."""
+        g = self.group
+        return g.compiled(self.module, *args, **kwargs) if g.bound else g.compiled(*args, **kwargs)
+
+    def warn_graphs(self, message: str) -> None:
+        """One warning per region path and message kind, and a note in its record."""
+        self.record.notes.append(message)
+        key = (id(self), message[:40])
+        if key not in self.state.warned_graphs:
+            self.state.warned_graphs.add(key)
+            warnings.warn(f"surgery: region {self.region.kind!r} path {self.record.path!r}: "
+                          f"{message}", SurgeryWarning, stacklevel=5)
 
     def _fall_back(self, exc: BaseException, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
@@ -251,6 +284,7 @@ def _clone_tensors(out: Any) -> Any:
 @dataclass
 class _HandleState:
     warned_regions: set[int] = field(default_factory=set)
+    warned_graphs: set[tuple[int, str]] = field(default_factory=set)
 
 
 class ApplyHandle:
@@ -288,6 +322,9 @@ class ApplyHandle:
             else:
                 d.pop(slot.name, None)
             slot.mode = "restored"  # a wrapper someone kept a reference to now runs eager
+            if slot.graphs is not None:
+                slot.graphs.drop("restored")  # frees the owned buffers and graphs
+                slot.graphs = None
         self._slots.clear()
         if self._mha_fastpath is not None:
             torch.backends.mha.set_fastpath_enabled(self._mha_fastpath)
@@ -314,6 +351,10 @@ def mark_step() -> None:
     no longer needed; this is how the caller says so.
     """
     torch.compiler.cudagraph_mark_step_begin()
+
+
+def _on_cuda(module: nn.Module, model: nn.Module) -> bool:
+    return torch.cuda.is_available() and _device_of(module, model).type == "cuda"
 
 
 def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
@@ -389,7 +430,7 @@ def apply_manifest(
     mha = False
     try:
         for region, path, mod, name in resolved:
-            on_cuda = torch.cuda.is_available() and _device_of(mod, model).type == "cuda"
+            on_cuda = _on_cuda(mod, model)
             plan = plan_region(m, region, overrides=overrides, on_cuda=on_cuda)
             rec = RegionRecord(path, region.kind, region.callable, "pending",
                                backend=plan.backend, options=plan.options,
@@ -470,9 +511,25 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
                                  dynamic=plan.dynamic)
         group = groups[key] = _Group(compiled, backend, bound)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state)
+    if plan.capture_region:
+        slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
+                                   clone_outputs=plan.clone_outputs, warn=slot.warn_graphs)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)
     return slot
+
+
+_CAPTURERS: dict[int, Capturer] = {}
+
+
+def _capturer_for(module: nn.Module) -> Capturer:
+    """One capturer (side stream and shared memory pool) per CUDA device, for every handle."""
+    dev = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+    index = dev.index if dev is not None and dev.type == "cuda" and dev.index is not None \
+        else torch.cuda.current_device()
+    if index not in _CAPTURERS:
+        _CAPTURERS[index] = CudaCapturer(index)
+    return _CAPTURERS[index]
 
 
 def _note_expandable_segments(report: ApplyReport) -> None:

@@ -128,12 +128,17 @@ def _render_plan(summary: dict[str, Any], out: str) -> None:
 @click.option("--fold", is_flag=True, help="Compile a fixed-shape container whose blocks are "
               "all regions (e.g. aggregator.patch_embed) as ONE region: fewer CUDA-graph "
               "replays per step, faster on launch-bound models (benchmarks/RESULTS.md).")
+@click.option("--capture", type=click.Choice(["compiler", "region"]),
+              help="Who captures CUDA graphs. 'compiler': inductor's cudagraph trees "
+              "(mode reduce-overhead). 'region': surgery captures one graph per region path and "
+              "replays it without entering dynamo, which cuts host time per call several-fold "
+              "on launch-bound models (see surgery.graphs for the contract).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @handle_errors
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
-         as_json: bool) -> None:
+         capture: str | None, as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
 
     \b
@@ -163,7 +168,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
                                      param_hint="-o")
         if os.path.exists(out) and not force:
             raise OutputExistsError(out)
-    comp = planner.compile_defaults(backend=backend, mode=mode)
+    comp = planner.compile_defaults(backend=backend, mode=mode, capture=capture)
     if source is not None:
         result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
                                          exclude=exclude, compile=comp, fold=fold)

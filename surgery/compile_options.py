@@ -21,8 +21,11 @@ from surgery.resolve import closest_name
 # The compile keys a manifest (or an override) may set; anything else is a typo.
 COMPILE_KEYS: frozenset[str] = frozenset({
     "backend", "mode", "fullgraph", "dynamic", "options", "emulate_precision_casts",
-    "clone_outputs", "on_cpu",
+    "clone_outputs", "on_cpu", "capture",
 })
+# Who captures CUDA graphs: the compiler (cudagraph trees under mode="reduce-overhead", or the
+# cudagraphs backend), or surgery itself, one graph per region path (see surgery.graphs).
+CAPTURES = ("compiler", "region")
 # Keys that belong to inductor only: torch hands them to other backends as kwargs they reject.
 _INDUCTOR_ONLY = ("mode", "options")
 
@@ -38,6 +41,7 @@ class CompilePlan:
     dynamic: bool | None
     cuda_graphs: bool
     clone_outputs: bool
+    capture_region: bool = False  # surgery captures this region's graphs (surgery.graphs)
     eager_reason: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -91,6 +95,17 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
             "which torch.compile refuses", region=region.kind,
             hint="keep one: mode='reduce-overhead' is options={'triton.cudagraphs': True}; "
                  "an override of {'mode': None} removes an inherited mode")
+    capture = str(opts.get("capture", "compiler"))
+    if capture not in CAPTURES:
+        raise RegionError(f"region {region.kind!r}: capture={capture!r} is not one of "
+                          f"{list(CAPTURES)}", region=region.kind,
+                          hint="use 'region' (surgery captures one CUDA graph per region path) "
+                               "or 'compiler' (cudagraph trees / the cudagraphs backend)")
+    if capture == "region" and backend == "cudagraphs":
+        raise RegionError(f"region {region.kind!r}: backend 'cudagraphs' captures its own CUDA "
+                          "graphs, so capture='region' would capture them twice",
+                          region=region.kind,
+                          hint="use backend 'inductor' (or 'aot_eager') with capture='region'")
     patches: dict[str, Any] | None = None
     cuda_graphs = backend == "cudagraphs"
     if backend == "inductor":
@@ -105,17 +120,27 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
         if opts.get("emulate_precision_casts", True):
             patches.setdefault("emulate_precision_casts", True)
         _check_inductor_options(patches, region)
+        if capture == "region" and patches.get("triton.cudagraphs"):
+            patches["triton.cudagraphs"] = False
+            notes.append("inductor's cudagraph trees are off: surgery captures this region's "
+                         "CUDA graphs itself (capture='region')")
         cuda_graphs = bool(patches.get("triton.cudagraphs", False))
+    cuda_graphs = cuda_graphs or capture == "region"
     eager_reason = None
     if cuda_graphs and not on_cuda:
-        if backend != "inductor":
+        if capture == "region":
+            what = "capture='region'"
+        elif backend != "inductor":
             what = f"backend={backend!r}"
         elif "mode" in opts:
             what = f"mode={opts['mode']!r}"
         else:
             what = "options triton.cudagraphs"
         if opts.get("on_cpu", "eager") == "compile":
-            if backend == "inductor":
+            if capture == "region":
+                notes.append("capture='region' without CUDA: compiled without CUDA graphs "
+                             "(on_cpu='compile')")
+            elif backend == "inductor":
                 assert patches is not None
                 patches["triton.cudagraphs"] = False
                 notes.append(f"CUDA-graph region ({what}) without CUDA: compiled with inductor "
@@ -128,8 +153,8 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
         else:
             eager_reason = (f"CUDA-graph region ({what}) without CUDA: runs eager "
                             "(on_cpu='eager'; set on_cpu='compile' to compile on the CPU)")
-    shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic")
-                             if k in opts}
+    shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic",
+                                                  "capture") if k in opts}
     shown["backend"] = backend
     if patches:
         shown["inductor_config"] = dict(patches)
@@ -137,6 +162,7 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
                  fullgraph=bool(opts.get("fullgraph", True)), dynamic=opts.get("dynamic"),
                  cuda_graphs=cuda_graphs,
                  clone_outputs=cuda_graphs and bool(opts.get("clone_outputs", True)),
+                 capture_region=cuda_graphs and capture == "region" and on_cuda,
                  eager_reason=eager_reason, notes=notes)
 
 

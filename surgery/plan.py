@@ -131,10 +131,13 @@ def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
     return out, wrapped
 
 
-def compile_defaults(*, backend: str | None = None, mode: str | None = None) -> dict[str, Any]:
+def compile_defaults(*, backend: str | None = None, mode: str | None = None,
+                     capture: str | None = None) -> dict[str, Any]:
     """The manifest's [compile] table: DEFAULT_COMPILE with a backend / mode chosen on top.
 
     Modes belong to inductor, so another backend drops the default mode unless one is given.
+    ``capture="region"`` has surgery capture the CUDA graphs (surgery.graphs), so the default
+    mode, whose only effect is inductor's own CUDA graphs, is dropped.
     """
     out = dict(DEFAULT_COMPILE)
     if backend is not None:
@@ -147,6 +150,18 @@ def compile_defaults(*, backend: str | None = None, mode: str | None = None) -> 
             raise RegionError(f"--mode {mode!r} applies to the inductor backend only, not "
                               f"{out['backend']!r}", hint="drop --mode, or use --backend inductor")
         out["mode"] = mode
+    if capture is not None:
+        if capture == "region":
+            if out["backend"] == "cudagraphs":
+                raise RegionError("--capture region with --backend cudagraphs would capture "
+                                  "every graph twice",
+                                  hint="use --backend inductor (the default) with --capture")
+            if mode is None:
+                out.pop("mode", None)
+            elif mode == "reduce-overhead":
+                raise RegionError("--capture region replaces mode reduce-overhead's CUDA graphs",
+                                  hint="drop --mode, or use --capture compiler")
+        out["capture"] = capture
     return out
 
 

@@ -55,6 +55,8 @@ class RegionRecord:
     graphs_run: int = 0  # compiled graph executions
     compiles: int = 0  # graphs compiled while this path ran
     recompiles: int = 0  # compiles after its compiled callable had already run once
+    graphs_captured: int = 0  # CUDA graphs surgery captured for this path (capture = "region")
+    graph_replays: int = 0  # calls answered by replaying one of them
     notes: list[str] = field(default_factory=list)
 
 
@@ -103,7 +105,9 @@ class ApplyReport(Sequence[RegionRecord]):
         for r in self.records:
             why = f"  ({r.reason})" if r.reason else ""
             lines.append(f"  {r.status:8} {r.kind:14} {r.path}  calls={r.calls} "
-                         f"graphs_run={r.graphs_run} recompiles={r.recompiles}{why}")
+                         f"graphs_run={r.graphs_run} recompiles={r.recompiles}"
+                         + (f" captured={r.graphs_captured} replays={r.graph_replays}"
+                            if r.graphs_captured else "") + why)
         if self.cache is not None and self.cache.line():
             lines.append(f"  {self.cache.line()}")
         lines += [f"  note: {n}" for n in self.notes]

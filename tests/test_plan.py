@@ -172,6 +172,35 @@ def test_cli_plan_backend_preset(tmp_path) -> None:
     assert comp["backend"] == "cudagraphs" and "mode" not in comp
 
 
+def test_cli_plan_capture_region(tmp_path) -> None:
+    out = tmp_path / "region.toml"
+    res = CliRunner().invoke(cli, ["plan", "--model", "surgery.examples:tiny", "-o", str(out),
+                                   "--capture", "region"])
+    assert res.exit_code == 0, res.output
+    comp = load_manifest(out).compile  # validated against the schema on reading
+    assert comp["capture"] == "region" and comp["backend"] == "inductor"
+    assert "mode" not in comp, "mode reduce-overhead would only add cudagraph trees"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        pytest.param(["--capture", "region", "--backend", "cudagraphs"], 3, "twice",
+                     id="capture-region-cudagraphs"),
+        pytest.param(["--capture", "region", "--mode", "reduce-overhead"], 3,
+                     "replaces mode reduce-overhead", id="capture-region-reduce-overhead"),
+        pytest.param(["--capture", "graph"], 2, "'compiler', 'region'", id="capture-typo"),
+    ],
+)
+def test_cli_plan_capture_conflicts(tmp_path, args: list[str], code: int, message: str) -> None:
+    out = tmp_path / "m.toml"
+    res = CliRunner().invoke(cli, ["plan", "--model", "surgery.examples:tiny", "-o", str(out),
+                                   *args])
+    assert res.exit_code == code, res.output
+    assert message in res.output
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

@@ -1,0 +1,335 @@
+"""Region CUDA graphs (surgery.graphs), checked on the CPU with a graph that behaves like one.
+
+``FakeCapturer`` records the captured work and ``replay()`` runs it again against the same input
+and output buffers, which is exactly what a CUDA graph's replay does to memory: the graph's input
+buffers are read, its owned output buffers are overwritten. So every bookkeeping rule (signature,
+held outputs, moved parameters, inputs written in place) is exercised here; the real capture runs
+in tests/test_apply_cuda.py on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from surgery import apply as apply_mod
+from surgery import examples
+from surgery.apply import SurgeryWarning, apply_manifest
+from surgery.graphs import RegionGraphs
+from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class FakeGraph:
+    def __init__(self, work: Callable[[], None]) -> None:
+        self.work = work
+
+    def replay(self) -> None:
+        self.work()
+
+
+class FakeCapturer:
+    device = -1  # CPU tensors
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.graphs: list[FakeGraph] = []
+
+    def capture(self, work: Callable[[], None]) -> FakeGraph:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        work()
+        self.graphs.append(FakeGraph(work))
+        return self.graphs[-1]
+
+
+class Calls:
+    """run_compiled for a RegionGraphs: runs fn, counts the calls that did not replay."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.runs = 0
+
+    def raw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        self.runs += 1
+        return self.fn(*args, **kwargs), True
+
+
+def graphs_for(module: nn.Module, fn: Callable[..., Any] | None = None, *,
+               clone: bool = False, fail: bool = False
+               ) -> tuple[RegionGraphs, Calls, list[str], FakeCapturer]:
+    calls = Calls(fn or module)
+    warned: list[str] = []
+    cap = FakeCapturer(fail)
+    return RegionGraphs(module, cap, calls.raw, clone_outputs=clone, warn=warned.append), \
+        calls, warned, cap
+
+
+def test_second_call_captures_and_later_calls_replay_with_their_own_inputs() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, _, cap = graphs_for(lin)
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    with torch.no_grad():
+        outs = [g((x,), {}, calls).clone() for x in xs]  # released at once: no hold
+        expected = [lin(x) for x in xs]
+    assert (g.captures, g.replays, calls.runs, len(cap.graphs)) == (1, 2, 2, 1)
+    for got, want in zip(outs[:2], expected[:2], strict=True):
+        torch.testing.assert_close(got, want)
+    # The replays read the inputs of their own call, not the captured ones.
+    torch.testing.assert_close(outs[3], expected[3])
+
+
+def test_grad_mode_never_captures() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    for _ in range(4):
+        g((torch.randn(2, 4),), {}, calls)
+    assert (g.captures, g.replays, calls.runs) == (0, 0, 4)
+
+
+def test_a_new_signature_runs_compiled_then_gets_its_own_graph() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(3):
+            g((torch.randn(2, 4),), {}, calls)
+        assert (g.captures, g.replays) == (1, 1)
+        x = torch.randn(5, 4)  # another shape: not the captured graph
+        torch.testing.assert_close(g((x,), {}, calls), lin(x))
+        assert g.replays == 1
+        g((torch.randn(5, 4),), {}, calls)
+        assert g.captures == 2
+        torch.testing.assert_close(g((x,), {}, calls), lin(x))
+        assert g.replays == 2
+        lin.eval()  # the training flag is part of the signature
+        g((x,), {}, calls)
+        assert g.replays == 2
+
+
+def test_scalar_arguments_are_part_of_the_signature() -> None:
+    lin = nn.Linear(4, 4)
+    g, calls, _, _ = graphs_for(lin, lambda x, scale: lin(x) * scale)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        g((x, 2.0), {}, calls)
+        g((x, 2.0), {}, calls)
+        torch.testing.assert_close(g((x, 3.0), {}, calls), lin(x) * 3.0)
+        torch.testing.assert_close(g((x, 2.0), {}, calls), lin(x) * 2.0)
+    assert g.replays == 1
+
+
+def test_outputs_still_held_are_never_overwritten() -> None:
+    """A KV cache keeps the previous replay's outputs: the next call must not replay over them."""
+    lin = nn.Linear(4, 3)
+    g, calls, warned, _ = graphs_for(lin)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (output, its value when returned)
+    checked = 0
+    with torch.no_grad():
+        for _ in range(8):
+            out = g((torch.randn(2, 4),), {}, calls)
+            kept.append((out, out.clone()))
+            if len(kept) > 2:  # a sliding-window cache of two steps
+                old, value = kept.pop(0)
+                torch.testing.assert_close(old, value)  # fails if a replay overwrote it
+                checked += 1
+    for out, value in kept:
+        torch.testing.assert_close(out, value)
+    assert checked == 6
+    assert g.clone, "the path clones its outputs once they were seen held"
+    assert len(warned) == 1 and "still referenced" in warned[0]
+    assert g.replays >= 2
+
+
+def test_outputs_released_by_the_caller_replay_without_cloning() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, warned, _ = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(5):
+            g((torch.randn(2, 4),), {}, calls).sum().item()
+    assert (g.replays, g.clone, warned) == (3, False, [])
+
+
+def test_views_of_a_held_output_count_as_held() -> None:
+    lin = nn.Linear(4, 6)
+    g, calls, _, _ = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(2):
+            g((torch.randn(2, 4),), {}, calls)
+        view = g((torch.randn(2, 4),), {}, calls)[:, :3]  # only a view survives
+        value = view.clone()
+        g((torch.randn(2, 4),), {}, calls)
+    torch.testing.assert_close(view, value)
+
+
+def test_moved_or_replaced_parameters_drop_the_graphs() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            g((x,), {}, calls)
+        assert g.replays == 1
+        lin.load_state_dict({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})  # in place
+        torch.testing.assert_close(g((x,), {}, calls), lin(x))
+        assert g.replays == 2
+        lin.weight = nn.Parameter(torch.full((3, 4), 2.0))  # a new tensor at a new address
+        torch.testing.assert_close(g((x,), {}, calls), lin(x))
+        assert g.replays == 2 and not g.graphs
+        assert any("changed since capture" in n for n in g.notes)
+
+
+def test_an_input_written_in_place_is_written_back_after_replay() -> None:
+    lin = nn.Linear(4, 4)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        return lin(x)
+
+    g, calls, _, _ = graphs_for(lin, step)
+    with torch.no_grad():
+        for _ in range(2):
+            g((torch.zeros(2, 4),), {}, calls)
+        x = torch.full((2, 4), 5.0)
+        out = g((x,), {}, calls)
+        torch.testing.assert_close(out, lin(torch.full((2, 4), 6.0)))
+    assert g.replays == 1
+    torch.testing.assert_close(x, torch.full((2, 4), 6.0))
+
+
+def test_a_region_returning_its_input_is_not_captured() -> None:
+    lin = nn.Linear(4, 4)
+    g, calls, _, _ = graphs_for(lin, lambda x: x[:1])
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            assert g((x,), {}, calls).data_ptr() == x.data_ptr()
+    assert g.captures == 0 and "view of an input" in g.disabled
+
+
+def test_a_failed_capture_runs_compiled_and_says_why() -> None:
+    lin = nn.Linear(4, 3)
+    g, calls, warned, _ = graphs_for(lin, fail=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        outs = [g((x,), {}, calls) for _ in range(4)]
+    torch.testing.assert_close(outs[-1], lin(x))
+    assert g.captures == 0 and calls.runs == 4
+    assert len(warned) == 1 and "capture failed" in warned[0]
+
+
+def test_nested_outputs_and_keyword_arguments() -> None:
+    lin = nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor, *, extra: torch.Tensor) -> dict[str, Any]:
+        return {"a": lin(x), "pair": (x + extra, 3)}
+
+    g, calls, _, _ = graphs_for(lin, fn)
+    with torch.no_grad():
+        for _ in range(2):
+            g((torch.randn(2, 4),), {"extra": torch.randn(2, 4)}, calls)
+        x, e = torch.randn(2, 4), torch.randn(2, 4)
+        out = g((x,), {"extra": e}, calls)
+        assert g.replays == 1
+        torch.testing.assert_close(out["a"], lin(x))
+        torch.testing.assert_close(out["pair"][0], x + e)
+        assert out["pair"][1] == 3
+
+
+# --- through apply_manifest --------------------------------------------------------------------
+
+def tiny_manifest(model: nn.Module, **compile_: object) -> Manifest:
+    n = 2
+    regions = [
+        Region("frame_block", [f"aggregator.frame_blocks.{i}" for i in range(n)]),
+        Region("patch_embed_block", [f"aggregator.patch_embed.blocks.{i}" for i in range(n)]),
+        Region("attn_pre", [f"aggregator.global_blocks.{i}.attn_pre" for i in range(n)],
+               callable="method"),
+        Region("ffn_residual", [f"aggregator.global_blocks.{i}.ffn_residual" for i in range(n)],
+               callable="method"),
+    ]
+    compile_ = {**DEFAULT_COMPILE, "backend": "aot_eager", "capture": "region", **compile_}
+    compile_.pop("mode", None)
+    compile_.pop("emulate_precision_casts", None)
+    return Manifest(compute_fingerprint(model.state_dict()), regions, compile=compile_)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCapturer:
+    """apply_manifest on the CPU as if on CUDA, with the faithful fake graph."""
+    cap = FakeCapturer()
+    monkeypatch.setattr(apply_mod, "_on_cuda", lambda module, model: True)
+    monkeypatch.setattr(apply_mod, "_capturer_for", lambda module: cap)
+    return cap
+
+
+@pytest.mark.parametrize("clone_attn_pre", [True, False])
+def test_streaming_model_through_region_graphs_matches_eager(
+        fake_cuda: FakeCapturer, clone_attn_pre: bool) -> None:
+    """The KV cache keeps attn_pre's outputs. Cloned or not in the manifest, they survive."""
+    torch.manual_seed(0)
+    eager, model = examples.tiny().eval(), examples.tiny().eval()
+    model.load_state_dict(eager.state_dict())
+    keys = list(model.state_dict())
+    m = tiny_manifest(model, clone_outputs=clone_attn_pre)
+    frames = [model.example_input(seed=s) for s in range(7)]
+    with torch.no_grad():
+        handle = apply_manifest(model, m, warmup=lambda mdl: mdl(frames[0]), passes=2)
+        eager(frames[0]), eager(frames[0])  # the same stream position as the warm-up
+        if clone_attn_pre:
+            outs = [model(f) for f in frames]
+        else:
+            with pytest.warns(SurgeryWarning, match="still referenced"):
+                outs = [model(f) for f in frames]
+        want = [eager(f) for f in frames]
+    for got, exp in zip(outs, want, strict=True):
+        torch.testing.assert_close(got, exp, atol=1e-6, rtol=1e-5)
+    assert list(model.state_dict()) == keys
+    frame = handle.report.by_path("aggregator.frame_blocks.0")
+    assert frame.graphs_captured == 1 and frame.graph_replays == len(frames)
+    assert frame.status == "compiled" and frame.compiled_calls == frame.calls
+    pre = handle.report.by_path("aggregator.global_blocks.0.attn_pre")
+    assert pre.clone_outputs, "attn_pre's outputs are kept by the cache, so they are cloned"
+    assert pre.graph_replays >= len(frames) - 4  # calls while the cache held replays ran uncaptured
+    assert "captured=1" in handle.report.summary()
+    handle.restore()
+    assert "forward" not in vars(model.aggregator.frame_blocks[0])
+
+
+def test_capture_region_without_cuda_follows_on_cpu() -> None:
+    model = examples.tiny().eval()
+    handle = apply_manifest(model, tiny_manifest(model))
+    assert {r.status for r in handle.report} == {"eager"}
+    assert "(capture='region') without CUDA: runs eager" in handle.report[0].reason
+    handle.restore()
+    handle = apply_manifest(model, tiny_manifest(model, on_cpu="compile"),
+                            warmup=lambda mdl: mdl(mdl.example_input()), passes=1)
+    assert {r.status for r in handle.report} == {"compiled"}
+    assert all(r.graphs_captured == 0 for r in handle.report)
+    handle.restore()
+
+
+def test_compile_plan_for_capture_region() -> None:
+    from surgery.compile_options import plan_region
+    from surgery.errors import RegionError
+
+    model = examples.tiny()
+    m = tiny_manifest(model, backend="inductor")
+    plan = plan_region(m, m.regions[0], overrides={"mode": "reduce-overhead"}, on_cuda=True)
+    assert plan.capture_region and plan.cuda_graphs
+    assert plan.config_patches is not None and plan.config_patches["triton.cudagraphs"] is False
+    assert any("cudagraph trees are off" in n for n in plan.notes)
+    assert not plan_region(m, m.regions[0], overrides={"capture": "compiler"},
+                           on_cuda=True).capture_region
+    with pytest.raises(RegionError, match="captures its own CUDA graphs"):
+        plan_region(m, m.regions[0], overrides={"backend": "cudagraphs", "mode": None},
+                    on_cuda=True)
+    with pytest.raises(RegionError, match="not one of"):
+        plan_region(m, m.regions[0], overrides={"capture": "trees"}, on_cuda=True)
