@@ -14,12 +14,13 @@ Arms (each in a fresh process, all in one call):
   hand_clone     the same, with attn_pre's outputs cloned by hand (what a user must add to
                  keep a KV cache of them alive across replays)
   surgery        `surgery plan` of the live model, then apply_manifest with its defaults
-  surgery_region the same, planned with --capture region: surgery captures one CUDA graph per
-                 region path and replays it without entering dynamo (surgery.graphs)
-  surgery_region_fold   --capture region --fold
-  surgery_cg     the same manifest planned with --backend cudagraphs
+                 (capture = "region": surgery captures one CUDA graph per region path and
+                 replays it without entering dynamo; surgery.graphs)
   surgery_fold   `surgery plan --fold`: the whole patch embed as one region, 1 graph replay
                  instead of 24 (surgery_pe gets the same with --include aggregator.patch_embed)
+  surgery_trees  `surgery plan --capture compiler`: inductor's cudagraph trees
+                 (mode="reduce-overhead"), the default before region capture; and _fold
+  surgery_cg     the same manifest planned with --backend cudagraphs
   surgery_nope / surgery_noepc   diagnostics: patch-embed blocks left eager; no
                  emulate_precision_casts
 
@@ -53,10 +54,10 @@ sys.path.insert(0, HERE)
 SURGERY_ARMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None, bool,
                               dict[str, Any], str | None]] = {
     "surgery": ((), (), None, False, {}, None),
-    "surgery_region": ((), (), None, False, {}, "region"),
-    "surgery_region_fold": ((), (), None, True, {}, "region"),
-    "surgery_cg": ((), (), "cudagraphs", False, {}, None),
     "surgery_fold": ((), (), None, True, {}, None),
+    "surgery_trees": ((), (), None, False, {}, "compiler"),
+    "surgery_trees_fold": ((), (), None, True, {}, "compiler"),
+    "surgery_cg": ((), (), "cudagraphs", False, {}, None),
     "surgery_pe": (("aggregator.patch_embed",), (), None, False, {}, None),
     "surgery_nope": ((), ("aggregator.patch_embed.blocks.*",), None, False, {}, None),
     "surgery_noepc": ((), (), None, False, {"emulate_precision_casts": False}, None),

@@ -124,15 +124,16 @@ def _render_plan(summary: dict[str, Any], out: str) -> None:
               "(default: inductor; cudagraphs and aot_eager also work).")
 @click.option("--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune",
                                            "max-autotune-no-cudagraphs"]),
-              help="Inductor mode (default: reduce-overhead, i.e. CUDA graphs).")
+              help="Inductor mode (default: none; reduce-overhead means inductor's own "
+              "cudagraph trees, i.e. --capture compiler).")
 @click.option("--fold", is_flag=True, help="Compile a fixed-shape container whose blocks are "
               "all regions (e.g. aggregator.patch_embed) as ONE region: fewer CUDA-graph "
               "replays per step, faster on launch-bound models (benchmarks/RESULTS.md).")
 @click.option("--capture", type=click.Choice(["compiler", "region"]),
-              help="Who captures CUDA graphs. 'compiler': inductor's cudagraph trees "
-              "(mode reduce-overhead). 'region': surgery captures one graph per region path and "
-              "replays it without entering dynamo, which cuts host time per call several-fold "
-              "on launch-bound models (see surgery.graphs for the contract).")
+              help="Who captures CUDA graphs. 'region' (default): surgery captures one graph per "
+              "region path and replays it without entering dynamo, which cuts the host time of "
+              "each call several-fold (benchmarks/RESULTS.md; the contract is in "
+              "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @handle_errors
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,

@@ -101,11 +101,22 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
                           f"{list(CAPTURES)}", region=region.kind,
                           hint="use 'region' (surgery captures one CUDA graph per region path) "
                                "or 'compiler' (cudagraph trees / the cudagraphs backend)")
-    if capture == "region" and backend == "cudagraphs":
-        raise RegionError(f"region {region.kind!r}: backend 'cudagraphs' captures its own CUDA "
-                          "graphs, so capture='region' would capture them twice",
-                          region=region.kind,
-                          hint="use backend 'inductor' (or 'aot_eager') with capture='region'")
+    # The compiler's own graphs asked for at a later level than capture='region' (an override
+    # over the manifest, say) win, with a note; at the same level they are a contradiction.
+    wants_compiler = [k for k, v in (("backend", "cudagraphs"), ("mode", "reduce-overhead"))
+                      if opts.get(k) == v]
+    if capture == "region" and wants_compiler:
+        later = [k for k in wants_compiler if origin[k] > origin["capture"]]
+        if later:
+            capture = "compiler"
+            notes.append(f"capture='region' dropped: {later[0]}={opts[later[0]]!r} asks for "
+                         "the compiler's own CUDA graphs")
+        elif backend == "cudagraphs":
+            raise RegionError(f"region {region.kind!r}: backend 'cudagraphs' captures its own "
+                              "CUDA graphs, so capture='region' would capture them twice",
+                              region=region.kind,
+                              hint="use backend 'inductor' (or 'aot_eager') with "
+                                   "capture='region', or capture='compiler'")
     patches: dict[str, Any] | None = None
     cuda_graphs = backend == "cudagraphs"
     if backend == "inductor":

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         m(frames[0])
         model.reset_stream()  # warm-up frames are not part of the stream
 
-    overrides = {"backend": "aot_eager"}
+    overrides = {"backend": "aot_eager", "on_cpu": "compile"}
     with torch.no_grad(), apply_manifest(model, path, warmup=warmup, overrides=overrides) as h:
         got = [model(x) for x in frames]
         print(h.report.summary())

@@ -61,20 +61,25 @@ class Capturer(Protocol):
 
 
 class CudaCapturer:
-    """Captures on a side stream into one memory pool shared by every region graph.
+    """Captures on a side stream into one memory pool shared by every live region graph.
 
     It calls ``CUDAGraph.capture_begin`` directly: ``torch.cuda.graph`` empties the allocator's
-    cache on every capture, which costs time across a hundred captures.
+    cache on every capture, which costs time across a hundred captures. The allocator frees a
+    pool with its last graph, and a freed pool's handle must not be reused (it trips an
+    INTERNAL ASSERT in the caching allocator), so a new handle is taken whenever no graph of
+    the old one is alive.
     """
 
     def __init__(self, device: int) -> None:
         self.device = device
+        self.live = 0  # graphs of the current pool still alive
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
 
     def capture(self, work: Callable[[], None]) -> Graph:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+        if self.live == 0:
             self._pool = torch.cuda.graph_pool_handle()
         side, current = self._stream, torch.cuda.current_stream(self.device)
         side.wait_stream(current)
@@ -90,7 +95,20 @@ class CudaCapturer:
                 raise
             graph.capture_end()
         current.wait_stream(side)
-        return graph
+        return _PooledGraph(graph, self)
+
+
+class _PooledGraph:
+    """A captured graph that keeps its capturer's count of live graphs in its pool."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, owner: CudaCapturer) -> None:
+        self.replay = graph.replay
+        self._graph = graph
+        self._owner = owner
+        owner.live += 1
+
+    def __del__(self) -> None:
+        self._owner.live -= 1
 
 
 def _flatten(obj: Any, sig: list[Any], tensors: list[torch.Tensor], device: int) -> bool:

@@ -28,13 +28,15 @@ SCHEMA_VERSION = 1
 SCHEMA_NAME = "manifest.schema.json"
 MANIFEST_SUFFIX = ".surgery.toml"
 
-# Defaults follow DESIGN.md's measurements: on a launch-bound streaming model, regional compile
-# without CUDA graphs ran slower than eager (31 ms vs 17.5 ms), while reduce-overhead regions came
-# within 4% of whole-model compile at 1/80 of its cold start. Outputs of CUDA-graph regions are
-# cloned outside the graph so a KV cache that keeps them survives the next replay (#152887).
+# Defaults follow the measurements (DESIGN.md, benchmarks/RESULTS.md): on a launch-bound streaming
+# model, regional compile without CUDA graphs ran slower than eager (31 ms vs 17.5 ms), and with
+# inductor's cudagraph trees each of LingBot-Map's 120 region calls a frame cost 80-140 us of host
+# time in dynamo and tree bookkeeping. So surgery captures the graphs itself, one per region path
+# (capture = "region", surgery.graphs), and replays them without entering dynamo. Outputs a KV
+# cache keeps are cloned outside the graph so the next replay cannot overwrite them (#152887).
 DEFAULT_COMPILE: dict[str, Any] = {
     "backend": "inductor",
-    "mode": "reduce-overhead",
+    "capture": "region",
     "fullgraph": True,
     "dynamic": False,
     "emulate_precision_casts": True,

@@ -133,35 +133,34 @@ def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
 
 def compile_defaults(*, backend: str | None = None, mode: str | None = None,
                      capture: str | None = None) -> dict[str, Any]:
-    """The manifest's [compile] table: DEFAULT_COMPILE with a backend / mode chosen on top.
+    """The manifest's [compile] table: DEFAULT_COMPILE with a backend / mode / capture on top.
 
-    Modes belong to inductor, so another backend drops the default mode unless one is given.
-    ``capture="region"`` has surgery capture the CUDA graphs (surgery.graphs), so the default
-    mode, whose only effect is inductor's own CUDA graphs, is dropped.
+    The default is ``capture = "region"``: surgery captures one CUDA graph per region path. Asking
+    for the compiler's own graphs (``--backend cudagraphs``, ``--mode reduce-overhead`` or
+    ``--capture compiler``) switches to ``capture = "compiler"``; with inductor that means
+    ``mode = "reduce-overhead"`` (cudagraph trees) unless another mode is given.
     """
     out = dict(DEFAULT_COMPILE)
     if backend is not None:
         out["backend"] = backend
         if backend != "inductor":
-            out.pop("mode", None)
             out.pop("emulate_precision_casts", None)
+    if mode is not None and out["backend"] != "inductor":
+        raise RegionError(f"--mode {mode!r} applies to the inductor backend only, not "
+                          f"{out['backend']!r}", hint="drop --mode, or use --backend inductor")
+    compiler_graphs = out["backend"] == "cudagraphs" or mode == "reduce-overhead"
+    if capture == "region" and compiler_graphs:
+        what = "--backend cudagraphs" if out["backend"] == "cudagraphs" else \
+            "--mode reduce-overhead"
+        raise RegionError(f"--capture region with {what} would capture every graph twice",
+                          hint=f"drop {what} (surgery captures the region graphs), or use "
+                               "--capture compiler")
+    if capture == "compiler" or compiler_graphs:
+        out["capture"] = "compiler"
+        if out["backend"] == "inductor" and mode is None:
+            out["mode"] = "reduce-overhead"
     if mode is not None:
-        if out["backend"] != "inductor":
-            raise RegionError(f"--mode {mode!r} applies to the inductor backend only, not "
-                              f"{out['backend']!r}", hint="drop --mode, or use --backend inductor")
         out["mode"] = mode
-    if capture is not None:
-        if capture == "region":
-            if out["backend"] == "cudagraphs":
-                raise RegionError("--capture region with --backend cudagraphs would capture "
-                                  "every graph twice",
-                                  hint="use --backend inductor (the default) with --capture")
-            if mode is None:
-                out.pop("mode", None)
-            elif mode == "reduce-overhead":
-                raise RegionError("--capture region replaces mode reduce-overhead's CUDA graphs",
-                                  hint="drop --mode, or use --capture compiler")
-        out["capture"] = capture
     return out
 
 

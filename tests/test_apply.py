@@ -29,7 +29,7 @@ from surgery.apply import (
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
 from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
 
-AOT = {"backend": "aot_eager"}
+AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs
 EXACT = {"atol": 1e-6, "rtol": 1e-5}
 INDUCTOR_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -206,7 +206,7 @@ def test_recompiles_are_counted_per_path() -> None:
 
 @pytest.mark.slow
 def test_tiny_with_inductor_on_cpu() -> None:
-    """The default manifest (reduce-overhead) on a CPU, on_cpu='compile': inductor, no graphs."""
+    """The default manifest (capture='region') on a CPU, on_cpu='compile': inductor, no graphs."""
     model = tiny_model()
     x = model.example_input()
     manifest = manifest_for(model, tiny_regions(), on_cpu="compile")
@@ -217,8 +217,7 @@ def test_tiny_with_inductor_on_cpu() -> None:
     assert [r.status for r in handle.report] == ["compiled"] * 10, handle.report.summary()
     rec = handle.report[0]
     assert rec.backend == "inductor" and not rec.cuda_graphs and not rec.clone_outputs
-    assert rec.options["inductor_config"] == {"triton.cudagraphs": False,
-                                              "emulate_precision_casts": True}
+    assert rec.options["inductor_config"] == {"emulate_precision_casts": True}
     assert any("without CUDA graphs" in n for n in rec.notes)
     torch.testing.assert_close(out, ref, **INDUCTOR_TOL)
     handle.restore()
@@ -235,7 +234,8 @@ def test_inductor_gets_emulate_precision_casts_together_with_a_mode() -> None:
     reach inductor, and the bf16 result is then bit-identical to eager (without it, inductor keeps
     the intermediate in float32 and differs)."""
     model = nn.Sequential(Bf16Mix())
-    manifest = manifest_for(model, [Region("mix", ["0"])], mode="max-autotune-no-cudagraphs")
+    manifest = manifest_for(model, [Region("mix", ["0"])], mode="max-autotune-no-cudagraphs",
+                            on_cpu="compile")
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(64, generator=g, dtype=torch.bfloat16) for _ in range(2))
     mix = model[0]
@@ -319,6 +319,7 @@ def test_fingerprint_mismatch_raises_unless_not_strict() -> None:
 
 def test_mode_together_with_options_is_rejected() -> None:
     model, manifest, _ = small_transformer(depth=2)
+    manifest.compile["mode"] = "reduce-overhead"
     with pytest.raises(RegionError) as e:
         apply_manifest(model, manifest, overrides={"options": {"max_autotune": True}})
     msg = str(e.value)
@@ -329,6 +330,7 @@ def test_mode_together_with_options_is_rejected() -> None:
 
 def test_a_non_inductor_backend_drops_the_inherited_mode_and_says_so() -> None:
     model, manifest, _ = small_transformer(depth=2)
+    manifest.compile["mode"] = "reduce-overhead"
     with apply_manifest(model, manifest, overrides=AOT) as h:
         rec = h.report[0]
     assert "mode" not in rec.options and rec.backend == "aot_eager"
@@ -351,7 +353,7 @@ def test_bad_options_fail_before_anything_is_installed(overrides: dict, match: s
 
 
 def test_cuda_graph_regions_run_eager_without_cuda_and_say_so() -> None:
-    model, manifest, x = small_transformer(depth=2)  # the defaults: inductor reduce-overhead
+    model, manifest, x = small_transformer(depth=2)  # the defaults: capture='region'
     with torch.no_grad(), apply_manifest(model, manifest, warmup=lambda m: m(x)) as h:
         assert instance_attrs(model) == {}  # eager regions are left untouched
     assert [r.status for r in h.report] == ["eager", "eager"]
@@ -366,6 +368,8 @@ def test_cudagraphs_backend_compiles_as_aot_eager_on_cpu_when_asked() -> None:
         pass
     assert [r.status for r in h.report] == ["compiled", "compiled"]
     assert h.report[0].backend == "aot_eager" and "without CUDA" in h.report[0].notes[-1]
+    # The backend override asks for the compiler's graphs over the manifest's capture='region'.
+    assert any("capture='region' dropped" in n for n in h.report[0].notes)
 
 
 # --- fallbacks ---------------------------------------------------------------------------------
@@ -430,7 +434,7 @@ def test_backend_compile_failure_falls_back_too(recwarn) -> None:
     x = torch.randn(2, 4)
     with torch.no_grad(), apply_manifest(
             model, manifest_for(model, [Region("relu", ["0"])]), warmup=lambda m: m(x),
-            overrides={"backend": "relu_compile_error_TESTING_ONLY"}) as h:
+            overrides={"backend": "relu_compile_error_TESTING_ONLY", "on_cpu": "compile"}) as h:
         assert h.report[0].status == "eager"
         assert "BackendCompilerFailed" in h.report[0].reason
     assert len([w for w in recwarn if issubclass(w.category, RegionFallbackWarning)]) == 1
@@ -516,7 +520,7 @@ def test_the_deployment_import_path_needs_no_click_or_tomli_w() -> None:
         x = m.example_input()
         with torch.no_grad():
             h = apply_manifest(m, man, warmup=lambda mm: (mm.reset_stream(), mm(x)), passes=1,
-                               overrides={"backend": "eager"})
+                               overrides={"backend": "eager", "on_cpu": "compile"})
         assert h.report[0].status == "compiled", h.report.summary()
         print(sorted(n for n in ("click", "tomli_w") if n in sys.modules))
     """)

@@ -29,7 +29,7 @@ from surgery.cli import cli
 from surgery.errors import CacheBundleError
 from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint, save_manifest
 
-AOT = {"backend": "aot_eager"}
+AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs
 
 # A two-block model small enough that inductor compiles its one graph quickly. It lives in a
 # file so that `surgery warm --model warmmod:build` and a second process can import it.
@@ -80,7 +80,7 @@ def project(tmp_path, monkeypatch) -> Path:
 
     importlib.reload(warmmod)
     model = warmmod.build()
-    compile_ = {k: v for k, v in DEFAULT_COMPILE.items() if k != "mode"}
+    compile_ = {**DEFAULT_COMPILE, "on_cpu": "compile"}  # inductor on the CPU, no CUDA graphs
     m = Manifest(compute_fingerprint(model.state_dict()),
                  [Region("block", ["blocks.0", "blocks.1"])], compile=compile_)
     save_manifest(m, str(tmp_path / "net.surgery.toml"))
@@ -309,8 +309,9 @@ def test_warm_refuses_to_overwrite(project) -> None:
 def test_warm_with_nothing_compiled_says_why(project, tmp_path) -> None:
     """The default manifest on the CPU: CUDA-graph regions run eager, so nothing to cache."""
     text = (project / "net.surgery.toml").read_text()
-    (project / "net.surgery.toml").write_text(
-        text.replace('[compile]\n', '[compile]\nmode = "reduce-overhead"\n'))
+    assert 'on_cpu = "compile"' in text
+    text = text.replace('on_cpu = "compile"', 'on_cpu = "eager"')
+    (project / "net.surgery.toml").write_text(text)
     r = run(*WARM, "-o", str(tmp_path / "out.cache"))
     assert r.exit_code == 3, r.output
     assert "no region ran compiled code" in r.output and "on_cpu=compile" in r.output
@@ -333,7 +334,7 @@ def test_verify_notes_a_fitting_bundle(project, checkpoint) -> None:
     assert r.exit_code == 0, r.output
     assert "SG301 note: the compile-cache bundle beside the manifest fits this machine" in r.output
     assert f"valid for torch {torch.__version__} on cpu" in r.output
-    assert 'same overrides {"backend": "aot_eager"}' in r.output
+    assert 'same overrides {"backend": "aot_eager", "on_cpu": "compile"}' in r.output
 
 
 @pytest.mark.parametrize(("changes", "damage", "text"), [

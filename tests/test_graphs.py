@@ -321,15 +321,24 @@ def test_compile_plan_for_capture_region() -> None:
     from surgery.errors import RegionError
 
     model = examples.tiny()
-    m = tiny_manifest(model, backend="inductor")
-    plan = plan_region(m, m.regions[0], overrides={"mode": "reduce-overhead"}, on_cuda=True)
+    # mode and capture at the same level: surgery captures, inductor's trees are turned off.
+    m = tiny_manifest(model, backend="inductor", mode="reduce-overhead")
+    m.compile["mode"] = "reduce-overhead"  # tiny_manifest drops it
+    plan = plan_region(m, m.regions[0], overrides=None, on_cuda=True)
     assert plan.capture_region and plan.cuda_graphs
     assert plan.config_patches is not None and plan.config_patches["triton.cudagraphs"] is False
     assert any("cudagraph trees are off" in n for n in plan.notes)
+    # An override asking for the compiler's graphs wins over the manifest's capture.
+    plan = plan_region(m, m.regions[0], overrides={"mode": "reduce-overhead"}, on_cuda=True)
+    assert not plan.capture_region and plan.cuda_graphs
+    assert plan.config_patches is not None and plan.config_patches["triton.cudagraphs"] is True
+    assert any("capture='region' dropped" in n for n in plan.notes)
+    m.compile.pop("mode")
     assert not plan_region(m, m.regions[0], overrides={"capture": "compiler"},
                            on_cuda=True).capture_region
+    m.compile["backend"] = "cudagraphs"  # at the same level as capture='region'
     with pytest.raises(RegionError, match="captures its own CUDA graphs"):
-        plan_region(m, m.regions[0], overrides={"backend": "cudagraphs", "mode": None},
-                    on_cuda=True)
+        plan_region(m, m.regions[0], overrides=None, on_cuda=True)
+    m.compile["backend"] = "inductor"
     with pytest.raises(RegionError, match="not one of"):
         plan_region(m, m.regions[0], overrides={"capture": "trees"}, on_cuda=True)
