@@ -53,9 +53,15 @@ class Graph(Protocol):
 
 
 class Capturer(Protocol):
-    """Captures work into a graph. ``device`` is the CUDA index inputs must be on (-1: CPU)."""
+    """Captures work into a graph. ``device`` is the CUDA index inputs must be on (-1: CPU).
+
+    ``owned`` maps the storage address of every live region graph's owned output to that graph
+    and the output's index: an input found there has a stable address, so a graph reads it in
+    place instead of copying it.
+    """
 
     device: int
+    owned: dict[int, tuple[_Captured, int]]
 
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
@@ -72,6 +78,7 @@ class CudaCapturer:
 
     def __init__(self, device: int) -> None:
         self.device = device
+        self.owned: dict[int, tuple[_Captured, int]] = {}
         self.live = 0  # graphs of the current pool still alive
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
@@ -188,6 +195,9 @@ class _Watch:
 class _Captured:
     graph: Graph
     inputs: list[torch.Tensor]  # the graph's input buffers, in _flatten order
+    copied: list[int]  # inputs copied into those buffers before each replay
+    adopted: list[tuple[int, int]]  # (input, address): read in place from another region's output
+    adopted_from: list[tuple[_Captured, int]]  # whose output each adopted input is
     outputs: list[torch.Tensor]  # owned output buffers
     storages: list[Any]  # one storage object per owned output
     baseline: list[int]  # their use counts with only our own references
@@ -222,6 +232,8 @@ class RegionGraphs:
         self.replays = 0
         self.captures = 0
         self.uncaptured = 0  # calls with a captured signature that ran without the graph
+        self.adopt = True  # read other regions' owned outputs in place (see _capture)
+        self.moved = 0  # replays refused because an adopted input was somewhere else
         self.notes: list[str] = []
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -249,15 +261,20 @@ class RegionGraphs:
         sig, tensors = found
         cap = self.graphs.get(sig)
         if cap is not None:
-            return self._replay(cap, tensors, args, kwargs, run_compiled)
-        out, ran = run_compiled(args, kwargs)
+            return self._replay(sig, cap, tensors, args, kwargs, run_compiled)
         n = self.seen[sig] = self.seen.get(sig, 0) + 1
+        versions = [t._version for t in tensors] if n >= 2 else []
+        out, ran = run_compiled(args, kwargs)
         if ran and n >= 2 and len(self.graphs) < MAX_GRAPHS_PER_PATH:
-            self._capture(sig, tensors, args, kwargs, out)
+            writes = {i for i, (t, v) in enumerate(zip(tensors, versions, strict=True))
+                      if t._version != v}
+            mine = self._capture(sig, tensors, args, kwargs, out, writes)
+            if mine is not None:
+                return mine
         return out
 
-    def _replay(self, cap: _Captured, tensors: list[torch.Tensor], args: tuple[Any, ...],
-                kwargs: dict[str, Any], run_compiled: RunCompiled) -> Any:
+    def _replay(self, sig: tuple[Any, ...], cap: _Captured, tensors: list[torch.Tensor],
+                args: tuple[Any, ...], kwargs: dict[str, Any], run_compiled: RunCompiled) -> Any:
         assert self.watch is not None
         if not self.watch.unchanged():
             self.drop("the region's parameters, buffers or submodules changed since capture")
@@ -272,9 +289,20 @@ class RegionGraphs:
                       "That call ran without the graph, and the path clones its outputs from "
                       "now on; set clone_outputs = true on the region to start that way")
             return run_compiled(args, kwargs)[0]
-        for buf, t in zip(cap.inputs, tensors, strict=True):
-            if buf.data_ptr() != t.data_ptr():
-                buf.copy_(t)
+        for i, ptr in cap.adopted:
+            if tensors[i].data_ptr() != ptr:  # not the output it was captured reading: recapture
+                self._forget(sig)
+                self.moved += 1
+                if self.moved == 3:
+                    self.adopt = False
+                    self.notes.append("inputs are copied: the outputs this path read in place "
+                                      "moved three times")
+                return run_compiled(args, kwargs)[0]
+        inputs = cap.inputs
+        for i in cap.copied:
+            t = tensors[i]
+            if inputs[i].data_ptr() != t.data_ptr():
+                inputs[i].copy_(t)
         cap.graph.replay()
         for i in cap.written:
             tensors[i].copy_(cap.inputs[i])
@@ -287,12 +315,26 @@ class RegionGraphs:
         """Forget every captured graph of this path; the next calls capture again."""
         if self.graphs:
             self.notes.append(f"graphs dropped: {why}")
-        self.graphs.clear()
+        for sig in list(self.graphs):
+            self._forget(sig)
         self.seen.clear()
         self.watch = None
 
+    def _forget(self, sig: tuple[Any, ...]) -> None:
+        """Forget one captured graph; its signature is one sighting from being captured again."""
+        cap = self.graphs.pop(sig)
+        for s in cap.storages:
+            self.capturer.owned.pop(s.data_ptr(), None)
+        for owner, j in cap.adopted_from:  # our references to their outputs are gone
+            owner.baseline[j] -= 1
+        self.seen[sig] = 1
+
     def _capture(self, sig: tuple[Any, ...], tensors: list[torch.Tensor],
-                 args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+                 args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                 writes: set[int]) -> Any:
+        """Capture this signature's graph. Returns this call's output from the owned buffers
+        (the warm-up run inside the capture computed it from the same inputs), so regions that
+        read it next capture reading it in place; or None to return ``out``."""
         split = _out_tensors(out)
         why = ""
         if split is None:
@@ -305,13 +347,22 @@ class RegionGraphs:
         if why:
             self.disabled = f"not captured: {why}; runs compiled without a graph"
             self.notes.append(self.disabled)
-            return
+            return None
         assert split is not None
         outs, rebuild = split
-        inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                  for t in tensors]
-        for buf, t in zip(inputs, tensors, strict=True):
-            buf.copy_(t)
+        # Another region's owned output has a stable address: read it in place (no copy per
+        # replay), unless this region writes it, which the warm-up run inside capture would
+        # then repeat on the caller's tensor.
+        owned_elsewhere = self.capturer.owned if self.adopt else {}
+        adopted = [(i, t.data_ptr()) for i, t in enumerate(tensors)
+                   if i not in writes and t.untyped_storage().data_ptr() in owned_elsewhere]
+        adopt = {i for i, _ in adopted}
+        inputs = [t if i in adopt else
+                  torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                  for i, t in enumerate(tensors)]
+        copied = [i for i in range(len(tensors)) if i not in adopt]
+        for i in copied:
+            inputs[i].copy_(tensors[i])
         versions = [t._version for t in inputs]
         owned = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
                  for o in outs]
@@ -335,12 +386,23 @@ class RegionGraphs:
                              "runs compiled without a graph")
             self.notes.append(self.disabled)
             self.warn(self.disabled)
-            return
-        written = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True))
-                   if t._version != v]
+            return None
+        written = [i for i in copied if inputs[i]._version != versions[i]]
         storages = [o.untyped_storage() for o in owned]
         self.watch = watch
-        self.graphs[sig] = _Captured(graph, inputs, owned, storages, [], rebuild, written)
-        self.graphs[sig].baseline = [_use_count(s._cdata) for s in storages]
+        # The graph keeps each adopted input alive: one more reference its owner must expect.
+        adopted_from = [owned_elsewhere[tensors[i].untyped_storage().data_ptr()]
+                        for i, _ in adopted]
+        for owner, j in adopted_from:
+            owner.baseline[j] += 1
+        cap = _Captured(graph, inputs, copied, adopted, adopted_from, owned, storages, [],
+                        rebuild, written)
+        self.graphs[sig] = cap
+        cap.baseline = [_use_count(s._cdata) for s in storages]
+        for j, s in enumerate(storages):
+            self.capturer.owned[s.data_ptr()] = (cap, j)
         self.captures += 1
+        if writes:  # the warm-up run saw the inputs after this call had written them
+            return None
+        return rebuild([o.clone() for o in owned] if self.clone else [o.detach() for o in owned])
 

@@ -36,7 +36,8 @@ def _global_block_manifest(model: torch.nn.Module, *, clone: bool) -> Manifest:
         Region("ffn_residual", [f"aggregator.global_blocks.{i}.ffn_residual"
                                 for i in range(depth)], callable="method", on_failure="error"),
     ]
-    compile_ = {**DEFAULT_COMPILE, "mode": "reduce-overhead", "clone_outputs": clone}
+    compile_ = {**DEFAULT_COMPILE, "mode": "reduce-overhead", "capture": "compiler",
+                "clone_outputs": clone}  # inductor's cudagraph trees
     return Manifest(compute_fingerprint(model.state_dict()), regions, compile=compile_)
 
 

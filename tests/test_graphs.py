@@ -37,6 +37,7 @@ class FakeCapturer:
     device = -1  # CPU tensors
 
     def __init__(self, fail: bool = False) -> None:
+        self.owned: dict[int, Any] = {}
         self.fail = fail
         self.graphs: list[FakeGraph] = []
 
@@ -243,6 +244,55 @@ def test_nested_outputs_and_keyword_arguments() -> None:
         assert out["pair"][1] == 3
 
 
+def test_an_input_that_is_another_regions_output_is_read_in_place() -> None:
+    """A -> B: B's graph reads A's owned output where it is, with no copy per replay."""
+    a_mod, b_mod = nn.Linear(4, 4), nn.Linear(4, 4)
+    cap = FakeCapturer()
+    a_calls, b_calls = Calls(a_mod), Calls(b_mod)
+    a = RegionGraphs(a_mod, cap, a_calls.raw, clone_outputs=False, warn=print)
+    b = RegionGraphs(b_mod, cap, b_calls.raw, clone_outputs=False, warn=print)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            got = b((a((x,), {}, a_calls),), {}, b_calls).clone()
+            torch.testing.assert_close(got, b_mod(a_mod(x)))
+        (cap_a,), (cap_b,) = a.graphs.values(), b.graphs.values()
+        assert cap_a.copied == [0] and cap_b.copied == [] and len(cap_b.adopted) == 1
+        assert b.replays == 2
+        # Called with some other tensor, B cannot replay reading A's buffer: it runs compiled,
+        # and captures again on the next call with that signature.
+        y = torch.randn(2, 4)
+        torch.testing.assert_close(b((y,), {}, b_calls), b_mod(y))
+        assert b.replays == 2 and not b.graphs
+        torch.testing.assert_close(b((y,), {}, b_calls), b_mod(y))
+        torch.testing.assert_close(b((y,), {}, b_calls), b_mod(y))
+        assert b.replays == 3 and next(iter(b.graphs.values())).copied == [0]
+
+
+def test_an_input_the_region_writes_is_copied_not_read_in_place() -> None:
+    a_mod = nn.Linear(4, 4)
+    cap = FakeCapturer()
+    a_calls = Calls(a_mod)
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x + 1.0
+
+    b_calls = Calls(bump)
+    a = RegionGraphs(a_mod, cap, a_calls.raw, clone_outputs=False, warn=print)
+    b = RegionGraphs(nn.Identity(), cap, b_calls.raw, clone_outputs=False, warn=print)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            h = a((x,), {}, a_calls)
+            want = a_mod(x) * 2.0
+            got = b((h,), {}, b_calls)
+            torch.testing.assert_close(got, want + 1.0)
+            torch.testing.assert_close(h, want)  # written once, as eager would
+            del h, got
+    assert b.replays == 2 and next(iter(b.graphs.values())).adopted == []
+
+
 # --- through apply_manifest --------------------------------------------------------------------
 
 def tiny_manifest(model: nn.Module, **compile_: object) -> Manifest:
@@ -273,12 +323,16 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCapturer:
 @pytest.mark.parametrize("clone_attn_pre", [True, False])
 def test_streaming_model_through_region_graphs_matches_eager(
         fake_cuda: FakeCapturer, clone_attn_pre: bool) -> None:
-    """The KV cache keeps attn_pre's outputs. Cloned or not in the manifest, they survive."""
+    """The KV cache keeps attn_pre's outputs. Cloned or not in the manifest, they survive.
+
+    The other regions do not clone (as planned): their outputs are owned buffers, read in place
+    by the region after them."""
     torch.manual_seed(0)
     eager, model = examples.tiny().eval(), examples.tiny().eval()
     model.load_state_dict(eager.state_dict())
     keys = list(model.state_dict())
-    m = tiny_manifest(model, clone_outputs=clone_attn_pre)
+    m = tiny_manifest(model, clone_outputs=False)
+    m.regions[2].compile["clone_outputs"] = clone_attn_pre  # the plan's policy when True
     frames = [model.example_input(seed=s) for s in range(7)]
     with torch.no_grad():
         handle = apply_manifest(model, m, warmup=lambda mdl: mdl(frames[0]), passes=2)
@@ -299,6 +353,10 @@ def test_streaming_model_through_region_graphs_matches_eager(
     assert pre.clone_outputs, "attn_pre's outputs are kept by the cache, so they are cloned"
     assert pre.graph_replays >= len(frames) - 4  # calls while the cache held replays ran uncaptured
     assert "captured=1" in handle.report.summary()
+    # frame_blocks.1 reads global_blocks.0's output, an owned buffer, in place: no input copy.
+    slot = vars(model.aggregator.frame_blocks[1])["forward"].__surgery_slot__
+    (captured,) = slot.graphs.graphs.values()
+    assert captured.copied == [] and len(captured.adopted) == 1
     handle.restore()
     assert "forward" not in vars(model.aggregator.frame_blocks[0])
 
