@@ -206,7 +206,8 @@ class _Slot:
 
     def warn_graphs(self, message: str) -> None:
         """One warning per region path and message kind, and a note in its record."""
-        self.record.notes.append(message)
+        if message not in self.record.notes:
+            self.record.notes.append(message)
         key = (id(self), message[:40])
         if key not in self.state.warned_graphs:
             self.state.warned_graphs.add(key)
@@ -513,7 +514,8 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state)
     if plan.capture_region:
         slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
-                                   clone_outputs=plan.clone_outputs, warn=slot.warn_graphs)
+                                   clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
+                                   notes=rec.notes)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)
     return slot

@@ -219,7 +219,8 @@ class RegionGraphs:
 
     def __init__(self, module: nn.Module, capturer: Capturer,
                  raw_call: Callable[[tuple[Any, ...], dict[str, Any]], Any], *,
-                 clone_outputs: bool, warn: Callable[[str], None]) -> None:
+                 clone_outputs: bool, warn: Callable[[str], None],
+                 notes: list[str] | None = None) -> None:
         self.module = module
         self.capturer = capturer
         self.raw_call = raw_call  # the compiled callable, outside surgery's call accounting
@@ -234,7 +235,7 @@ class RegionGraphs:
         self.uncaptured = 0  # calls with a captured signature that ran without the graph
         self.adopt = True  # read other regions' owned outputs in place (see _capture)
         self.moved = 0  # replays refused because an adopted input was somewhere else
-        self.notes: list[str] = []
+        self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:

@@ -208,11 +208,13 @@ def test_an_input_written_in_place_is_written_back_after_replay() -> None:
 def test_a_region_returning_its_input_is_not_captured() -> None:
     lin = nn.Linear(4, 4)
     g, calls, _, _ = graphs_for(lin, lambda x: x[:1])
+    assert g.notes == []
     with torch.no_grad():
         for _ in range(4):
             x = torch.randn(2, 4)
             assert g((x,), {}, calls).data_ptr() == x.data_ptr()
     assert g.captures == 0 and "view of an input" in g.disabled
+    assert g.notes == [g.disabled]  # the record's notes, through apply_manifest
 
 
 def test_a_failed_capture_runs_compiled_and_says_why() -> None:
@@ -351,6 +353,7 @@ def test_streaming_model_through_region_graphs_matches_eager(
     assert frame.status == "compiled" and frame.compiled_calls == frame.calls
     pre = handle.report.by_path("aggregator.global_blocks.0.attn_pre")
     assert pre.clone_outputs, "attn_pre's outputs are kept by the cache, so they are cloned"
+    assert any("still referenced" in n for n in pre.notes) is not clone_attn_pre
     assert pre.graph_replays >= len(frames) - 4  # calls while the cache held replays ran uncaptured
     assert "captured=1" in handle.report.summary()
     # frame_blocks.1 reads global_blocks.0's output, an owned buffer, in place: no input copy.
