@@ -247,6 +247,8 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
     if handle is not None:
         out["graphs_captured"] = sum(r.graphs_captured for r in handle.report)
         out["graph_replays"] = sum(r.graph_replays for r in handle.report)
+        out["capture_s"] = round(sum(r.capture_s for r in handle.report), 3)
+        out["output_sets_max"] = max((r.output_sets for r in handle.report), default=0)
     ref_path = os.environ.get("GPU_REGIONS_REF")
     if ref_path:
         if arm == "eager":

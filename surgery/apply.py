@@ -169,6 +169,8 @@ class _Slot:
             rec.compiled_calls += 1
             rec.graph_replays += 1
         rec.graphs_captured = graphs.captures
+        rec.output_sets = graphs.output_sets
+        rec.capture_s = graphs.capture_s
         rec.clone_outputs = graphs.clone
         return out
 

@@ -20,13 +20,15 @@ The contract, which is what makes that safe:
   other Python state the region reads is frozen at capture, as in every CUDA graph.
 - **Inputs** are copied into the graph's own buffers. An input the region writes in place is
   copied back after each replay.
-- **Outputs** are copied, inside the graph, into buffers owned by the region path, so the memory
-  pool that all region graphs share holds only temporaries, and no replay can overwrite another
-  path's outputs. The next replay of the *same* path does overwrite them. Before each replay the
-  owned buffers' storage use counts are checked: if a caller still holds the previous outputs
-  (a KV cache that keeps them, pytorch#152887), the call runs the compiled code without the graph
-  (fresh outputs, so nothing is overwritten), warns once, and the path clones its outputs from
-  then on. ``clone_outputs = true`` does that from the start.
+- **Outputs** are copied, inside the graph, into buffers owned by the region path, laid out as
+  the compiled code returned them, so the memory pool that all region graphs share holds only
+  temporaries, and no replay can overwrite another path's outputs. A replay of the *same* path
+  would overwrite them, so before each replay the owned buffers' storage use counts are checked.
+  When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
+  v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
+  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
+  runs without a graph, one warning says so, and the path clones its outputs from then on.
+  ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
 - **Streams.** Graphs replay on the caller's current stream; two region graphs must not run
   concurrently on different streams, since they share one pool of temporaries.
 """
@@ -34,6 +36,7 @@ The contract, which is what makes that safe:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +46,9 @@ from torch import nn
 
 # At most this many captured signatures per region path; more run the compiled code uncaptured.
 MAX_GRAPHS_PER_PATH = 8
+# At most this many output sets per signature (a ring for outputs kept across calls, such as a
+# KV cache of `attn_pre`'s k and v); past it, the path clones its outputs instead.
+MAX_OUTPUT_SETS = 8
 
 _SCALARS = (int, float, bool, str, type(None))
 _use_count: Callable[[int], int] = torch._C._storage_Use_Count
@@ -55,13 +61,13 @@ class Graph(Protocol):
 class Capturer(Protocol):
     """Captures work into a graph. ``device`` is the CUDA index inputs must be on (-1: CPU).
 
-    ``owned`` maps the storage address of every live region graph's owned output to that graph
-    and the output's index: an input found there has a stable address, so a graph reads it in
-    place instead of copying it.
+    ``owned`` maps the storage address of every live region graph's owned output to its output
+    set and the storage's index there: an input found there has a stable address, so a graph
+    reads it in place instead of copying it.
     """
 
     device: int
-    owned: dict[int, tuple[_Captured, int]]
+    owned: dict[int, tuple[_Outputs, int]]
 
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
@@ -78,7 +84,7 @@ class CudaCapturer:
 
     def __init__(self, device: int) -> None:
         self.device = device
-        self.owned: dict[int, tuple[_Captured, int]] = {}
+        self.owned: dict[int, tuple[_Outputs, int]] = {}
         self.live = 0  # graphs of the current pool still alive
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
@@ -192,22 +198,49 @@ class _Watch:
 
 
 @dataclass
-class _Captured:
+class _Outputs:
+    """One set of owned output buffers, and the graph that writes them."""
+
     graph: Graph
-    inputs: list[torch.Tensor]  # the graph's input buffers, in _flatten order
-    copied: list[int]  # inputs copied into those buffers before each replay
-    adopted: list[tuple[int, int]]  # (input, address): read in place from another region's output
-    adopted_from: list[tuple[_Captured, int]]  # whose output each adopted input is
-    outputs: list[torch.Tensor]  # owned output buffers
-    storages: list[Any]  # one storage object per owned output
-    baseline: list[int]  # their use counts with only our own references
-    rebuild: Callable[[list[torch.Tensor]], Any]
-    written: list[int]  # inputs the region writes in place: copied back after each replay
+    tensors: list[torch.Tensor]  # in output order; views of `storages`, laid out as compiled
+    storages: list[Any]  # the distinct storages, one object each
+    baseline: list[int]  # their use counts with only surgery's own references
 
     def held(self) -> bool:
-        """Does anyone but us still reference the outputs of the previous replay?"""
+        """Does anyone but us still reference what an earlier replay returned from this set?"""
         pairs = zip(self.storages, self.baseline, strict=True)
         return any(_use_count(s._cdata) > b for s, b in pairs)
+
+
+@dataclass
+class _Captured:
+    """One signature's inputs, and a ring of output sets (each with its own graph)."""
+
+    inputs: list[torch.Tensor]  # the graphs' input buffers, in _flatten order
+    copied: list[int]  # inputs copied into those buffers before each replay
+    adopted: list[tuple[int, int]]  # (input, address): read in place from another region's output
+    adopted_from: list[tuple[_Outputs, int]]  # whose output each adopted input is
+    written: list[int]  # inputs the region writes in place: copied back after each replay
+    rebuild: Callable[[list[torch.Tensor]], Any]
+    template: list[torch.Tensor]  # the compiled call's outputs: layout of a new output set
+    work: Callable[[list[torch.Tensor]], Callable[[], None]]  # capture work for an output set
+    sets: list[_Outputs]
+
+
+def _alloc_like(template: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh buffers laid out exactly as the compiled outputs: same strides, and outputs that
+    shared a storage (q, k and v split from one projection) share one here too."""
+    fresh: dict[int, Any] = {}
+    out = []
+    for t in template:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in fresh:
+            fresh[key] = torch.empty(st.nbytes(), dtype=torch.uint8,
+                                     device=t.device).untyped_storage()
+        out.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            fresh[key], t.storage_offset(), t.shape, t.stride()))
+    return out
 
 
 # run_compiled(args, kwargs) -> (output, whether compiled code ran)
@@ -235,6 +268,8 @@ class RegionGraphs:
         self.uncaptured = 0  # calls with a captured signature that ran without the graph
         self.adopt = True  # read other regions' owned outputs in place (see _capture)
         self.moved = 0  # replays refused because an adopted input was somewhere else
+        self.output_sets = 0  # the most output sets any signature needed
+        self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
         self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -280,16 +315,6 @@ class RegionGraphs:
         if not self.watch.unchanged():
             self.drop("the region's parameters, buffers or submodules changed since capture")
             return run_compiled(args, kwargs)[0]
-        if cap.held():  # checked in clone mode too: aliases from before it may still live
-            self.uncaptured += 1
-            if self.clone:
-                return run_compiled(args, kwargs)[0]
-            self.clone = True
-            self.warn("its outputs from the previous CUDA-graph replay were still referenced "
-                      "when it ran again (kept in a cache?), and a replay would overwrite them. "
-                      "That call ran without the graph, and the path clones its outputs from "
-                      "now on; set clone_outputs = true on the region to start that way")
-            return run_compiled(args, kwargs)[0]
         for i, ptr in cap.adopted:
             if tensors[i].data_ptr() != ptr:  # not the output it was captured reading: recapture
                 self._forget(sig)
@@ -299,18 +324,39 @@ class RegionGraphs:
                     self.notes.append("inputs are copied: the outputs this path read in place "
                                       "moved three times")
                 return run_compiled(args, kwargs)[0]
+        # An output set whose last outputs nobody holds any more; checked in clone mode too,
+        # since aliases returned before the switch may still live.
+        outs = next((o for o in cap.sets if not o.held()), None)
+        grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
+        if outs is None and not grow:
+            self.uncaptured += 1
+            if not self.clone:
+                self.clone = True
+                self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
+                          "referenced (a long cache?), so a replay would overwrite one. That "
+                          "call ran without the graph, and the path clones its outputs from now "
+                          "on; set clone_outputs = true on the region to start that way")
+            return run_compiled(args, kwargs)[0]
         inputs = cap.inputs
         for i in cap.copied:
             t = tensors[i]
             if inputs[i].data_ptr() != t.data_ptr():
                 inputs[i].copy_(t)
-        cap.graph.replay()
+        if outs is None:  # every set is held (a KV cache keeps them): capture one more set,
+            outs = self._new_set(cap)  # whose warm-up run inside capture is this call's run
+            if outs is None:
+                return run_compiled(args, kwargs)[0]
+            if len(cap.sets) == 2:
+                self.notes.append("outputs are kept across calls (a KV cache?): surgery keeps "
+                                  "a ring of output buffers instead of cloning")
+        else:
+            outs.graph.replay()
+            self.replays += 1
         for i in cap.written:
-            tensors[i].copy_(cap.inputs[i])
-        self.replays += 1
-        outs = [o.clone() for o in cap.outputs] if self.clone else \
-            [o.detach() for o in cap.outputs]
-        return cap.rebuild(outs)
+            tensors[i].copy_(inputs[i])
+        self.output_sets = max(self.output_sets, len(cap.sets))
+        return cap.rebuild([o.clone() for o in outs.tensors] if self.clone else
+                           [o.detach() for o in outs.tensors])
 
     def drop(self, why: str) -> None:
         """Forget every captured graph of this path; the next calls capture again."""
@@ -322,13 +368,43 @@ class RegionGraphs:
         self.watch = None
 
     def _forget(self, sig: tuple[Any, ...]) -> None:
-        """Forget one captured graph; its signature is one sighting from being captured again."""
+        """Forget one signature's graphs; it is one sighting from being captured again."""
         cap = self.graphs.pop(sig)
-        for s in cap.storages:
-            self.capturer.owned.pop(s.data_ptr(), None)
+        for outs in cap.sets:
+            for s in outs.storages:
+                self.capturer.owned.pop(s.data_ptr(), None)
         for owner, j in cap.adopted_from:  # our references to their outputs are gone
             owner.baseline[j] -= 1
         self.seen[sig] = 1
+
+    def _new_set(self, cap: _Captured) -> _Outputs | None:
+        """Capture a graph writing a fresh output set; None (and capture off) if it fails.
+
+        The inputs must already be in place: the warm-up run inside the capture computes this
+        call's outputs into the new set.
+        """
+        owned = _alloc_like(cap.template)
+        t0 = time.perf_counter()
+        try:
+            graph = self.capturer.capture(cap.work(owned))
+        except Exception as exc:  # any capture failure means: run uncaptured
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.disabled = (f"CUDA-graph capture failed ({type(exc).__name__}: {first}); "
+                             "runs compiled without a graph")
+            self.notes.append(self.disabled)
+            self.warn(self.disabled)
+            return None
+        finally:
+            self.capture_s += time.perf_counter() - t0
+        distinct = {o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}
+        storages = list(distinct.values())
+        outs = _Outputs(graph, owned, storages, [])
+        outs.baseline = [_use_count(s._cdata) for s in storages]
+        for j, s in enumerate(storages):
+            self.capturer.owned[s.data_ptr()] = (outs, j)
+        cap.sets.append(outs)
+        self.captures += 1
+        return outs
 
     def _capture(self, sig: tuple[Any, ...], tensors: list[torch.Tensor],
                  args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
@@ -350,7 +426,7 @@ class RegionGraphs:
             self.notes.append(self.disabled)
             return None
         assert split is not None
-        outs, rebuild = split
+        template, rebuild = split
         # Another region's owned output has a stable address: read it in place (no copy per
         # replay), unless this region writes it, which the warm-up run inside capture would
         # then repeat on the caller's tensor.
@@ -365,45 +441,34 @@ class RegionGraphs:
         for i in copied:
             inputs[i].copy_(tensors[i])
         versions = [t._version for t in inputs]
-        owned = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-                 for o in outs]
         it = iter(inputs)  # the same order as _flatten: args, then kwargs by sorted key
         static_args = _substitute(args, it)
         keys = sorted(kwargs)
         static_kwargs = dict(zip(keys, _substitute([kwargs[k] for k in keys], it), strict=True))
+        raw_call = self.raw_call
 
-        def work() -> None:
-            got = self.raw_call(static_args, static_kwargs)
-            split_got = _out_tensors(got)
-            assert split_got is not None and len(split_got[0]) == len(owned)
-            for dst, src in zip(owned, split_got[0], strict=True):
-                dst.copy_(src)
+        def work(owned: list[torch.Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                got = _out_tensors(raw_call(static_args, static_kwargs))
+                assert got is not None and len(got[0]) == len(owned)
+                for dst, src in zip(owned, got[0], strict=True):
+                    dst.copy_(src)
+            return run
 
-        try:
-            graph = self.capturer.capture(work)
-        except Exception as exc:  # any capture failure means: run uncaptured
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self.disabled = (f"CUDA-graph capture failed ({type(exc).__name__}: {first}); "
-                             "runs compiled without a graph")
-            self.notes.append(self.disabled)
-            self.warn(self.disabled)
-            return None
-        written = [i for i in copied if inputs[i]._version != versions[i]]
-        storages = [o.untyped_storage() for o in owned]
-        self.watch = watch
         # The graph keeps each adopted input alive: one more reference its owner must expect.
         adopted_from = [owned_elsewhere[tensors[i].untyped_storage().data_ptr()]
                         for i, _ in adopted]
+        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, template, work, [])
+        outs = self._new_set(cap)
+        if outs is None:
+            return None
+        cap.written = [i for i in copied if inputs[i]._version != versions[i]]
         for owner, j in adopted_from:
             owner.baseline[j] += 1
-        cap = _Captured(graph, inputs, copied, adopted, adopted_from, owned, storages, [],
-                        rebuild, written)
+        self.watch = watch
         self.graphs[sig] = cap
-        cap.baseline = [_use_count(s._cdata) for s in storages]
-        for j, s in enumerate(storages):
-            self.capturer.owned[s.data_ptr()] = (cap, j)
-        self.captures += 1
+        self.output_sets = max(self.output_sets, 1)
         if writes:  # the warm-up run saw the inputs after this call had written them
             return None
-        return rebuild([o.clone() for o in owned] if self.clone else [o.detach() for o in owned])
-
+        return rebuild([o.clone() for o in outs.tensors] if self.clone else
+                       [o.detach() for o in outs.tensors])

@@ -173,10 +173,16 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
         groups.setdefault((c.kind, c.callable, c.group, c.cls), []).append(c)
     regions: list[Region] = []
     covered = 0
+    compile = dict(compile or DEFAULT_COMPILE)
+    # Region capture keeps a ring of output buffers for outputs kept across calls, so nothing
+    # needs a clone; the compiler's graphs need one where outputs outlive the step.
+    ring = compile.get("capture") == "region"
+    if ring:
+        compile["clone_outputs"] = False
     for (kind, callable_, _group, cls), members in groups.items():
         params = sum(view.numel(c.module_path) for c in members) if callable_ == "forward" else 0
         covered += params
-        keep = OUTPUTS_OUTLIVE_STEP.get(kind)
+        keep = None if ring else OUTPUTS_OUTLIVE_STEP.get(kind)
         regions.append(Region(kind=kind, callable=callable_, module_class=cls,
                               parameters=params if callable_ == "forward" else None,
                               compile={} if keep is None else {"clone_outputs": keep},
@@ -187,7 +193,7 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
              "covered_parameters": covered}
     return Manifest(
         fingerprint=compute_fingerprint(tensors), regions=regions,
-        compile=dict(compile or DEFAULT_COMPILE), warmup=dict(DEFAULT_WARMUP),
+        compile=compile, warmup=dict(DEFAULT_WARMUP),
         left_out=[LeftOut(p, k, r) for p, k, r in found.left_out], model=model)
 
 

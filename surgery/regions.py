@@ -54,6 +54,8 @@ ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
 # where it is not needed is not free: a cloned output reaches the next graph as a non-pool input
 # that is copied in again (cloning all 120 regions of the LingBot-size example cost about 7 ms a
 # frame on an H200; benchmarks/RESULTS.md). Kinds not listed keep the manifest default (clone).
+# This applies to the compiler's graphs; with capture = "region" surgery keeps a ring of output
+# buffers instead (surgery.graphs), and the plan clones nothing.
 OUTPUTS_OUTLIVE_STEP: dict[str, bool] = {
     ATTN_PRE: True, FFN_RESIDUAL: False, ATTN_PROJ: False, FRAME_BLOCK: False,
     PATCH_EMBED_BLOCK: False, PATCH_EMBED: False,

@@ -57,6 +57,8 @@ class RegionRecord:
     recompiles: int = 0  # compiles after its compiled callable had already run once
     graphs_captured: int = 0  # CUDA graphs surgery captured for this path (capture = "region")
     graph_replays: int = 0  # calls answered by replaying one of them
+    output_sets: int = 0  # the ring of output buffers it needed (>1: outputs kept across calls)
+    capture_s: float = 0.0  # time spent capturing its graphs
     notes: list[str] = field(default_factory=list)
 
 
@@ -107,7 +109,8 @@ class ApplyReport(Sequence[RegionRecord]):
             lines.append(f"  {r.status:8} {r.kind:14} {r.path}  calls={r.calls} "
                          f"graphs_run={r.graphs_run} recompiles={r.recompiles}"
                          + (f" captured={r.graphs_captured} replays={r.graph_replays}"
-                            if r.graphs_captured else "") + why)
+                            f" output_sets={r.output_sets}" if r.graphs_captured else "")
+                         + why)
         if self.cache is not None and self.cache.line():
             lines.append(f"  {self.cache.line()}")
         lines += [f"  note: {n}" for n in self.notes]

@@ -18,7 +18,7 @@ from torch import nn
 
 from surgery import apply as apply_mod
 from surgery import examples
-from surgery.apply import SurgeryWarning, apply_manifest
+from surgery.apply import apply_manifest
 from surgery.graphs import RegionGraphs
 from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
 
@@ -127,26 +127,45 @@ def test_scalar_arguments_are_part_of_the_signature() -> None:
     assert g.replays == 1
 
 
-def test_outputs_still_held_are_never_overwritten() -> None:
-    """A KV cache keeps the previous replay's outputs: the next call must not replay over them."""
+def test_outputs_still_held_get_a_ring_of_output_sets() -> None:
+    """A cache keeps each call's outputs for two more calls: replays rotate through three output
+    sets, and nothing a caller holds is ever overwritten."""
     lin = nn.Linear(4, 3)
-    g, calls, warned, _ = graphs_for(lin)
+    g, calls, warned, cap = graphs_for(lin)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (output, its value when returned)
     checked = 0
     with torch.no_grad():
-        for _ in range(8):
+        for _ in range(10):
             out = g((torch.randn(2, 4),), {}, calls)
             kept.append((out, out.clone()))
             if len(kept) > 2:  # a sliding-window cache of two steps
                 old, value = kept.pop(0)
                 torch.testing.assert_close(old, value)  # fails if a replay overwrote it
                 checked += 1
+                del old
+            del out  # nothing but the cache holds an output during the next call
     for out, value in kept:
         torch.testing.assert_close(out, value)
-    assert checked == 6
-    assert g.clone, "the path clones its outputs once they were seen held"
+    assert checked == 8 and warned == [] and not g.clone
+    assert g.output_sets == 3 and len(cap.graphs) == 3
+    assert calls.runs == 2 and g.replays == 10 - 2 - 2  # two calls captured a new set
+    assert any("ring of output buffers" in n for n in g.notes)
+
+
+def test_past_the_ring_the_path_clones_and_says_so() -> None:
+    from surgery.graphs import MAX_OUTPUT_SETS
+
+    lin = nn.Linear(4, 3)
+    g, calls, warned, _ = graphs_for(lin)
+    kept = []
+    with torch.no_grad():
+        for _ in range(MAX_OUTPUT_SETS + 4):
+            out = g((torch.randn(2, 4),), {}, calls)
+            kept.append((out, out.clone()))  # kept forever
+    for out, value in kept:
+        torch.testing.assert_close(out, value)
+    assert g.clone and g.output_sets == MAX_OUTPUT_SETS
     assert len(warned) == 1 and "still referenced" in warned[0]
-    assert g.replays >= 2
 
 
 def test_outputs_released_by_the_caller_replay_without_cloning() -> None:
@@ -339,22 +358,22 @@ def test_streaming_model_through_region_graphs_matches_eager(
     with torch.no_grad():
         handle = apply_manifest(model, m, warmup=lambda mdl: mdl(frames[0]), passes=2)
         eager(frames[0]), eager(frames[0])  # the same stream position as the warm-up
-        if clone_attn_pre:
-            outs = [model(f) for f in frames]
-        else:
-            with pytest.warns(SurgeryWarning, match="still referenced"):
-                outs = [model(f) for f in frames]
+        outs = [model(f) for f in frames]
         want = [eager(f) for f in frames]
     for got, exp in zip(outs, want, strict=True):
         torch.testing.assert_close(got, exp, atol=1e-6, rtol=1e-5)
     assert list(model.state_dict()) == keys
     frame = handle.report.by_path("aggregator.frame_blocks.0")
     assert frame.graphs_captured == 1 and frame.graph_replays == len(frames)
+    assert frame.output_sets == 1
     assert frame.status == "compiled" and frame.compiled_calls == frame.calls
     pre = handle.report.by_path("aggregator.global_blocks.0.attn_pre")
-    assert pre.clone_outputs, "attn_pre's outputs are kept by the cache, so they are cloned"
-    assert any("still referenced" in n for n in pre.notes) is not clone_attn_pre
-    assert pre.graph_replays >= len(frames) - 4  # calls while the cache held replays ran uncaptured
+    assert pre.clone_outputs is clone_attn_pre
+    # Without the clone, the cache's window of 4 frames holds 4 output sets and the next call
+    # writes a 5th; with it, one set does.
+    assert pre.output_sets == (1 if clone_attn_pre else model.config.window + 1), \
+        handle.report.summary()
+    assert not any("still referenced" in n for n in pre.notes)
     assert "captured=1" in handle.report.summary()
     # frame_blocks.1 reads global_blocks.0's output, an owned buffer, in place: no input copy.
     slot = vars(model.aggregator.frame_blocks[1])["forward"].__surgery_slot__

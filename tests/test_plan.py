@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from surgery.cli import cli
 from surgery.examples import tiny
 from surgery.manifest import compute_fingerprint, load_manifest
-from surgery.plan import default_output, plan_checkpoint, plan_model
+from surgery.plan import compile_defaults, default_output, plan_checkpoint, plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -293,10 +293,16 @@ def test_plan_fingerprint_matches_export_for_averaged_model(tmp_path) -> None:
 
 
 def test_plan_clones_only_outputs_that_outlive_the_step() -> None:
-    manifest = plan_model("surgery.examples:tiny").manifest
+    """Under the compiler's graphs only attn_pre (kept by the KV cache) clones; under region
+    capture nothing does, since the runtime keeps a ring of output buffers instead."""
+    manifest = plan_model("surgery.examples:tiny",
+                          compile=compile_defaults(capture="compiler")).manifest
     clone = {r.kind: manifest.region_compile(r)["clone_outputs"] for r in manifest.regions}
     assert clone == {"frame_block": False, "patch_embed_block": False, "attn_proj": False,
                      "ffn_residual": False, "attn_pre": True}
+    manifest = plan_model("surgery.examples:tiny").manifest
+    assert manifest.compile["capture"] == "region"
+    assert {manifest.region_compile(r)["clone_outputs"] for r in manifest.regions} == {False}
 
 
 def test_plan_refuses_keys_that_would_merge(tmp_path) -> None:
