@@ -386,7 +386,9 @@ def apply_manifest(
     ``warmup.passes`` by default), each opened with ``cudagraph_mark_step_begin()`` when
     ``warmup.mark_step``; without it, records stay ``pending`` until the model's first call
     proves them. Warm up with the same grad mode and shapes as inference, or dynamo recompiles
-    on the first real call. ``overrides`` is merged over every region's compile options.
+    on the first real call; with ``capture = "region"`` (the plan's default) warm up under
+    ``no_grad`` or ``inference_mode``, since region graphs are captured only there (from each
+    path's second call). ``overrides`` is merged over every region's compile options.
     ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
     cached after ``restore()`` until ``torch._dynamo.reset()``.
 
@@ -587,6 +589,15 @@ def _warm_up(handle: ApplyHandle, manifest: Manifest,
         warnings.warn(f"surgery: {len(unproven)} region path(s) did not run compiled code in "
                       f"warm-up: {'; '.join(unproven[:6])}" +
                       (" ..." if len(unproven) > 6 else ""), SurgeryWarning, stacklevel=3)
+    uncaptured = [s.record.path for s in handle._slots
+                  if s.graphs is not None and not s.graphs.disabled and s.graphs.captures == 0
+                  and s.record.status == "compiled"]
+    if uncaptured:
+        report.notes.append(
+            f"{len(uncaptured)} region path(s) captured no CUDA graph in warm-up (e.g. "
+            f"{uncaptured[0]}): region graphs are captured from the second call under no_grad "
+            "or inference_mode, so warm up in the mode you infer in; until then they capture "
+            "on the first inference calls")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -383,6 +383,18 @@ def test_streaming_model_through_region_graphs_matches_eager(
     assert "forward" not in vars(model.aggregator.frame_blocks[0])
 
 
+def test_warm_up_with_grad_enabled_is_noted(fake_cuda: FakeCapturer) -> None:
+    model = examples.tiny().eval()
+    x = model.example_input()
+    handle = apply_manifest(model, tiny_manifest(model), warmup=lambda m: m(x), passes=2)
+    assert all(r.graphs_captured == 0 for r in handle.report)
+    assert any("captured no CUDA graph in warm-up" in n for n in handle.report.notes)
+    with torch.no_grad():  # the first inference calls capture
+        model(x), model(x)
+    assert all(r.graphs_captured == 1 for r in handle.report)
+    handle.restore()
+
+
 def test_capture_region_without_cuda_follows_on_cpu() -> None:
     model = examples.tiny().eval()
     handle = apply_manifest(model, tiny_manifest(model))
