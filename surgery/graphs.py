@@ -301,6 +301,9 @@ class RegionGraphs:
         n = self.seen[sig] = self.seen.get(sig, 0) + 1
         versions = [t._version for t in tensors] if n >= 2 else []
         out, ran = run_compiled(args, kwargs)
+        if ran and n == 2 and len(self.graphs) == MAX_GRAPHS_PER_PATH:
+            self.notes.append(f"a signature beyond the first {MAX_GRAPHS_PER_PATH} runs "
+                              "compiled without a graph (shapes vary from call to call?)")
         if ran and n >= 2 and len(self.graphs) < MAX_GRAPHS_PER_PATH:
             writes = {i for i, (t, v) in enumerate(zip(tensors, versions, strict=True))
                       if t._version != v}

@@ -115,6 +115,21 @@ def test_a_new_signature_runs_compiled_then_gets_its_own_graph() -> None:
         assert g.replays == 2
 
 
+def test_signatures_past_the_limit_run_compiled_and_are_noted() -> None:
+    from surgery.graphs import MAX_GRAPHS_PER_PATH
+
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    with torch.no_grad():
+        for rows in range(1, MAX_GRAPHS_PER_PATH + 3):
+            for _ in range(3):
+                x = torch.randn(rows, 4)
+                torch.testing.assert_close(g((x,), {}, calls), lin(x))
+    assert len(g.graphs) == MAX_GRAPHS_PER_PATH
+    assert g.replays == MAX_GRAPHS_PER_PATH  # the third call of each captured shape
+    assert sum("beyond the first" in n for n in g.notes) == 2
+
+
 def test_scalar_arguments_are_part_of_the_signature() -> None:
     lin = nn.Linear(4, 4)
     g, calls, _, _ = graphs_for(lin, lambda x, scale: lin(x) * scale)
