@@ -87,7 +87,7 @@ def _fmt_count(n: int) -> str:
 
 def _render_plan(summary: dict[str, Any], out: str) -> None:
     click.echo(f"planned {summary['source']} -> {out}")
-    click.echo(f"regions ({summary['paths']} compiled callables):")
+    click.echo(f"regions ({summary['paths']} compiled callables): {summary['compile']}")
     for kind, n in summary["regions"].items():
         click.echo(f"  {kind:<20} {n:>5}")
     if not summary["regions"]:

@@ -60,9 +60,23 @@ class PlanResult:
             "covered_parameters": covered,
             "covered_share": round(covered / total, 4) if total else 0.0,
             "left_out": [{"kind": k, "reason": r, "count": n} for (k, r), n in left.items()],
+            "compile": _describe_compile(m.compile),
             "notes": list(self.notes),
             "needs_export": self.needs_export,
         }
+
+
+def _describe_compile(comp: dict[str, Any]) -> str:
+    """One line on how the regions compile and who captures their CUDA graphs."""
+    backend = comp.get("backend", "inductor")
+    mode = f" mode={comp['mode']}" if comp.get("mode") else ""
+    if comp.get("capture") == "region":
+        graphs = "CUDA graphs captured by surgery, one per region path (capture = \"region\")"
+    elif backend == "cudagraphs" or comp.get("mode") in ("reduce-overhead", "max-autotune"):
+        graphs = "CUDA graphs by the compiler (capture = \"compiler\")"
+    else:
+        graphs = "no CUDA graphs"
+    return f"{backend}{mode}; {graphs}"
 
 
 def _count_kinds(regions: Sequence[Region]) -> Counter[str]:

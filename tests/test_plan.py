@@ -179,6 +179,7 @@ def test_cli_plan_capture_region(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     comp = load_manifest(out).compile  # validated against the schema on reading
     assert comp["capture"] == "region" and comp["backend"] == "inductor"
+    assert "captured by surgery, one per region path" in res.output
     assert "mode" not in comp, "mode reduce-overhead would only add cudagraph trees"
 
 
