@@ -51,7 +51,12 @@ MAX_GRAPHS_PER_PATH = 8
 MAX_OUTPUT_SETS = 8
 
 _SCALARS = (int, float, bool, str, type(None))
-_use_count: Callable[[int], int] = torch._C._storage_Use_Count
+# How many tensors and storage objects share a storage: the held check rests on it. It is a
+# private torch function (cudagraph trees use it too); without it, nothing is captured.
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+NO_USE_COUNT = ("not captured: this torch has no torch._C._storage_Use_Count, which the held "
+                "check needs; runs compiled without a graph (capture = \"compiler\" uses the "
+                "compiler's CUDA graphs instead)")
 
 
 class Graph(Protocol):
@@ -209,7 +214,9 @@ class _Outputs:
     def held(self) -> bool:
         """Does anyone but us still reference what an earlier replay returned from this set?"""
         pairs = zip(self.storages, self.baseline, strict=True)
-        return any(_use_count(s._cdata) > b for s, b in pairs)
+        count = _use_count
+        assert count is not None  # RegionGraphs never captures without it
+        return any(count(s._cdata) > b for s, b in pairs)
 
 
 @dataclass
@@ -271,6 +278,9 @@ class RegionGraphs:
         self.output_sets = 0  # the most output sets any signature needed
         self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
         self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
+        if _use_count is None:
+            self.disabled = NO_USE_COUNT
+            self.notes.append(NO_USE_COUNT)
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
@@ -402,7 +412,9 @@ class RegionGraphs:
         distinct = {o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}
         storages = list(distinct.values())
         outs = _Outputs(graph, owned, storages, [])
-        outs.baseline = [_use_count(s._cdata) for s in storages]
+        count = _use_count
+        assert count is not None
+        outs.baseline = [count(s._cdata) for s in storages]
         for j, s in enumerate(storages):
             self.capturer.owned[s.data_ptr()] = (outs, j)
         cap.sets.append(outs)

@@ -88,6 +88,19 @@ def test_second_call_captures_and_later_calls_replay_with_their_own_inputs() -> 
     torch.testing.assert_close(outs[3], expected[3])
 
 
+def test_without_storage_use_counts_nothing_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from surgery import graphs
+
+    monkeypatch.setattr(graphs, "_use_count", None)
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g((x,), {}, calls), lin(x))
+    assert (g.captures, calls.runs) == (0, 4) and g.notes == [graphs.NO_USE_COUNT]
+
+
 def test_grad_mode_never_captures() -> None:
     lin = nn.Linear(4, 3)
     g, calls, _, _ = graphs_for(lin)
