@@ -129,6 +129,18 @@ class _PooledGraph:
         self._owner.live -= 1
 
 
+def _flatten_args(args: tuple[Any, ...], sig: list[Any], tensors: list[torch.Tensor],
+                  device: int) -> bool:
+    """_flatten for a call's positional arguments, with a fast path for plain tensors."""
+    for a in args:
+        if type(a) is torch.Tensor and a.get_device() == device and not a.is_sparse:
+            sig.append((a.shape, a.stride(), a.dtype))
+            tensors.append(a)
+        elif not _flatten(a, sig, tensors, device):
+            return False
+    return True
+
+
 def _flatten(obj: Any, sig: list[Any], tensors: list[torch.Tensor], device: int) -> bool:
     """Append obj's signature and tensors; False if a leaf cannot be part of a captured call."""
     if isinstance(obj, torch.Tensor):
@@ -180,26 +192,34 @@ def _first(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _Watch:
-    """The addresses a captured graph baked in: the module tree's tensors and children."""
+    """What a captured graph baked in: the module tree's tensors, where they are, and children.
+
+    ``unchanged()`` runs before every replay, so it is two flat passes: every parameter, buffer,
+    tensor attribute and child (``None`` entries too) is still the same object in the same
+    place, and every tensor still has the same address (``module.to()`` and ``.data = ...``
+    move data without replacing the object). A key added later is not seen; the captured code
+    never reads it.
+    """
 
     def __init__(self, module: nn.Module) -> None:
-        mods = list(module.modules())
-        self._dicts = [d for m in mods for d in (m._parameters, m._buffers, m._modules)]
-        self._attrs = [(vars(m), k) for m in mods for k, v in vars(m).items()
-                       if isinstance(v, torch.Tensor)]
-        self.storages = {t.untyped_storage().data_ptr() for d in self._dicts
-                         for t in d.values() if isinstance(t, torch.Tensor)}
-        self._seen = self.now()
-
-    def now(self) -> list[int]:
-        out = [v.data_ptr() if isinstance(v, torch.Tensor) else id(v)
-               for d in self._dicts for v in d.values()]
-        out += [t.data_ptr() if isinstance(t := d.get(k), torch.Tensor) else 0
-                for d, k in self._attrs]
-        return out
+        entries: list[tuple[dict[str, Any], str, Any]] = []
+        for m in module.modules():
+            for d in (m._parameters, m._buffers, m._modules):
+                entries += [(d, k, v) for k, v in d.items()]
+            entries += [(vars(m), k, v) for k, v in vars(m).items()
+                        if isinstance(v, torch.Tensor)]
+        # Flat lists, so the check is two C-level passes (map), not a Python loop.
+        self._dicts = [d for d, _, _ in entries]
+        self._keys = [k for _, k, _ in entries]
+        self._values = [v for _, _, v in entries]  # held, so their ids stay theirs
+        self._ids = [id(v) for v in self._values]
+        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
+        self._ptrs = [t.data_ptr() for t in self._tensors]
+        self.storages = {t.untyped_storage().data_ptr() for t in self._tensors}
 
     def unchanged(self) -> bool:
-        return self.now() == self._seen
+        return (list(map(id, map(dict.get, self._dicts, self._keys))) == self._ids
+                and list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs)
 
 
 @dataclass
@@ -288,7 +308,7 @@ class RegionGraphs:
                           torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")]
         tensors: list[torch.Tensor] = []
         dev = self.capturer.device
-        if not _flatten(args, sig, tensors, dev):
+        if not _flatten_args(args, sig, tensors, dev):
             return None
         if kwargs:
             keys = sorted(kwargs)

@@ -234,6 +234,31 @@ def test_moved_or_replaced_parameters_drop_the_graphs() -> None:
         assert any("changed since capture" in n for n in g.notes)
 
 
+@pytest.mark.parametrize("change", ["dict-assignment", "data-assignment", "new-child",
+                                    "none-to-tensor"])
+def test_every_way_of_moving_a_tensor_drops_the_graphs(change: str) -> None:
+    """module.to() with overwrite_module_params_on_conversion assigns into _parameters directly
+    (no setattr); `.data =` keeps the object and moves the data; children can be replaced."""
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.ReLU())
+    g, calls, _, _ = graphs_for(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            g((x,), {}, calls)
+        assert g.replays == 1
+        lin = model[0]
+        if change == "dict-assignment":
+            lin._parameters["weight"] = nn.Parameter(torch.ones(4, 4))
+        elif change == "data-assignment":
+            lin.weight.data = torch.ones(4, 4)
+        elif change == "new-child":
+            model._modules["0"] = nn.Linear(4, 4, bias=False)
+        else:
+            lin.bias = nn.Parameter(torch.ones(4))
+        torch.testing.assert_close(g((x,), {}, calls), model(x))
+    assert g.replays == 1 and not g.graphs
+
+
 def test_an_input_written_in_place_is_written_back_after_replay() -> None:
     lin = nn.Linear(4, 4)
 
