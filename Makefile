@@ -64,6 +64,7 @@ wheel: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_plan.py
+	$(BIN)/python benchmarks/bench_replay_overhead.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) dist build *.egg-info .pytest_cache .ruff_cache .mypy_cache
