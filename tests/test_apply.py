@@ -22,12 +22,12 @@ from surgery import examples
 from surgery.apply import (
     RegionFallbackWarning,
     SurgeryWarning,
-    _clone_tensors,
     apply_manifest,
     resolve_path,
 )
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
 from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.slots import _clone_tensors
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs
 EXACT = {"atol": 1e-6, "rtol": 1e-5}
