@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
-from surgery.compile_options import COMPILE_KEYS, CompilePlan, plan_region
+from surgery.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
 from surgery.errors import RegionError
 from surgery.graphs import Capturer, CudaCapturer, RegionGraphs
 from surgery.manifest import Manifest, Region
@@ -209,6 +209,7 @@ def apply_manifest(
     _check_nesting(resolved)
 
     cuda_graph_regions = False
+    clone_risk: list[str] = []
     mha = False
     try:
         for region, path, mod, name in resolved:
@@ -224,6 +225,7 @@ def apply_manifest(
                 continue
             handle._slots.append(_install(mod, name, rec, region, plan, groups, state))
             cuda_graph_regions |= plan.cuda_graphs
+            clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
         if mha and torch.backends.mha.get_fastpath_enabled():
             # Dynamo does not guard on this flag; the fused fastpath would bypass the graph.
@@ -232,6 +234,9 @@ def apply_manifest(
             report.notes.append("nn.MultiheadAttention fastpath turned off while applied")
         if cuda_graph_regions:
             _note_expandable_segments(report)
+        if clone_risk:
+            warnings.warn(f"surgery: {len(clone_risk)} region path(s) (e.g. {clone_risk[0]}) "
+                          f"were {CLONE_RISK}", SurgeryWarning, stacklevel=2)
         hits_before = cache_counters()
         _warm_up(handle, m, warmup, passes)
         if report.cache is None:

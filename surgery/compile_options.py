@@ -26,6 +26,10 @@ COMPILE_KEYS: frozenset[str] = frozenset({
 # Who captures CUDA graphs: the compiler (cudagraph trees under mode="reduce-overhead", or the
 # cudagraphs backend), or surgery itself, one graph per region path (see surgery.graphs).
 CAPTURES = ("compiler", "region")
+CLONE_RISK = ("planned for capture='region', which clones no outputs, but run under the "
+              "compiler's CUDA graphs: an output kept across steps (a KV cache) is overwritten by "
+              "the next replay. Re-plan with --capture compiler, or set clone_outputs = true on "
+              "the regions whose outputs outlive the step")
 # Keys that belong to inductor only: torch hands them to other backends as kwargs they reject.
 _INDUCTOR_ONLY = ("mode", "options")
 
@@ -42,6 +46,7 @@ class CompilePlan:
     cuda_graphs: bool
     clone_outputs: bool
     capture_region: bool = False  # surgery captures this region's graphs (surgery.graphs)
+    clone_risk: bool = False  # planned for region capture, run under the compiler's graphs
     eager_reason: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -164,6 +169,14 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
         else:
             eager_reason = (f"CUDA-graph region ({what}) without CUDA: runs eager "
                             "(on_cpu='eager'; set on_cpu='compile' to compile on the CPU)")
+    clone = cuda_graphs and bool(opts.get("clone_outputs", True))
+    # A plan for capture='region' clones nothing (surgery keeps a ring of output buffers); the
+    # compiler's graphs overwrite kept outputs on the next replay, so say so when an override
+    # switched this region to them.
+    planned = {**manifest.compile, **region.compile}.get("capture")
+    clone_risk = planned == "region" and capture == "compiler" and cuda_graphs and not clone
+    if clone_risk:
+        notes.append(CLONE_RISK)
     shown: dict[str, Any] = {k: opts[k] for k in ("backend", "mode", "fullgraph", "dynamic",
                                                   "capture") if k in opts}
     shown["backend"] = backend
@@ -172,7 +185,7 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
     return CompilePlan(backend=backend, options=shown, config_patches=patches,
                  fullgraph=bool(opts.get("fullgraph", True)), dynamic=opts.get("dynamic"),
                  cuda_graphs=cuda_graphs,
-                 clone_outputs=cuda_graphs and bool(opts.get("clone_outputs", True)),
+                 clone_outputs=clone, clone_risk=clone_risk,
                  capture_region=cuda_graphs and capture == "region" and on_cuda,
                  eager_reason=eager_reason, notes=notes)
 

@@ -9,6 +9,7 @@ in tests/test_apply_cuda.py on a GPU.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from surgery import apply as apply_mod
 from surgery import examples
-from surgery.apply import apply_manifest
+from surgery.apply import SurgeryWarning, apply_manifest
 from surgery.graphs import RegionGraphs
 from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
 
@@ -459,6 +460,25 @@ def test_capture_region_without_cuda_follows_on_cpu() -> None:
     assert {r.status for r in handle.report} == {"compiled"}
     assert all(r.graphs_captured == 0 for r in handle.report)
     handle.restore()
+
+
+def test_switching_a_region_plan_to_the_compilers_graphs_warns_about_clones(
+        fake_cuda: FakeCapturer) -> None:
+    """A plan for capture='region' clones nothing; trees would overwrite the KV cache."""
+    from surgery.plan import plan_model
+
+    model = examples.tiny().eval()
+    manifest = plan_model("surgery.examples:tiny").manifest
+    with pytest.warns(SurgeryWarning, match="overwritten by the next replay") as got:
+        handle = apply_manifest(model, manifest, overrides={"mode": "reduce-overhead"})
+    assert sum("region path(s)" in str(w.message) for w in got) == 1
+    assert all(any("Re-plan with --capture compiler" in n for n in r.notes) for r in handle.report)
+    handle.restore()
+    # As planned, or switched with the clones set: no such warning.
+    for overrides in (None, {"mode": "reduce-overhead", "clone_outputs": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SurgeryWarning)
+            apply_manifest(model, manifest, overrides=overrides).restore()
 
 
 def test_compile_plan_for_capture_region() -> None:
