@@ -249,24 +249,38 @@ class _Captured:
     adopted_from: list[tuple[_Outputs, int]]  # whose output each adopted input is
     written: list[int]  # inputs the region writes in place: copied back after each replay
     rebuild: Callable[[list[torch.Tensor]], Any]
-    template: list[torch.Tensor]  # the compiled call's outputs: layout of a new output set
+    layout: _Layout  # how to allocate a new output set
     work: Callable[[list[torch.Tensor]], Callable[[], None]]  # capture work for an output set
     sets: list[_Outputs]
 
 
-def _alloc_like(template: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Fresh buffers laid out exactly as the compiled outputs: same strides, and outputs that
-    shared a storage (q, k and v split from one projection) share one here too."""
+# How to allocate one output set: per output, (storage number, storage bytes, dtype, device,
+# storage offset, shape, strides). Metadata only: the compiled call's own outputs are not kept.
+_Layout = list[tuple[int, int, torch.dtype, torch.device, int, torch.Size, tuple[int, ...]]]
+
+
+def _layout_of(outputs: list[torch.Tensor]) -> _Layout:
+    """The outputs' layout: same strides, and outputs that shared a storage (q, k and v split
+    from one projection) share one in every output set too."""
+    numbers: dict[int, int] = {}
+    layout: _Layout = []
+    for t in outputs:
+        st = t.untyped_storage()
+        n = numbers.setdefault(st.data_ptr(), len(numbers))
+        layout.append((n, st.nbytes(), t.dtype, t.device, int(t.storage_offset()), t.shape,
+                       t.stride()))
+    return layout
+
+
+def _alloc_like(layout: _Layout) -> list[torch.Tensor]:
+    """Fresh output buffers laid out as ``layout`` says."""
     fresh: dict[int, Any] = {}
     out = []
-    for t in template:
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in fresh:
-            fresh[key] = torch.empty(st.nbytes(), dtype=torch.uint8,
-                                     device=t.device).untyped_storage()
-        out.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            fresh[key], t.storage_offset(), t.shape, t.stride()))
+    for n, nbytes, dtype, device, offset, shape, stride in layout:
+        if n not in fresh:
+            fresh[n] = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        out.append(torch.empty(0, dtype=dtype, device=device).set_(fresh[n], offset, shape,
+                                                                   stride))
     return out
 
 
@@ -416,7 +430,7 @@ class RegionGraphs:
         The inputs must already be in place: the warm-up run inside the capture computes this
         call's outputs into the new set.
         """
-        owned = _alloc_like(cap.template)
+        owned = _alloc_like(cap.layout)
         t0 = time.perf_counter()
         try:
             graph = self.capturer.capture(cap.work(owned))
@@ -461,7 +475,7 @@ class RegionGraphs:
             self.notes.append(self.disabled)
             return None
         assert split is not None
-        template, rebuild = split
+        outputs, rebuild = split
         # Another region's owned output has a stable address: read it in place (no copy per
         # replay), unless this region writes it, which the warm-up run inside capture would
         # then repeat on the caller's tensor.
@@ -493,7 +507,8 @@ class RegionGraphs:
         # The graph keeps each adopted input alive: one more reference its owner must expect.
         adopted_from = [owned_elsewhere[tensors[i].untyped_storage().data_ptr()]
                         for i, _ in adopted]
-        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, template, work, [])
+        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, _layout_of(outputs),
+                        work, [])
         outs = self._new_set(cap)
         if outs is None:
             return None

@@ -102,6 +102,30 @@ def test_without_storage_use_counts_nothing_is_captured(monkeypatch: pytest.Monk
     assert (g.captures, calls.runs) == (0, 4) and g.notes == [graphs.NO_USE_COUNT]
 
 
+def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
+    """Only the layout of the compiled call's outputs is kept, not the tensors (memory)."""
+    import gc
+    import weakref
+
+    lin = nn.Linear(4, 3)
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = lin(x)
+        made.append(weakref.ref(out))
+        return out
+
+    g, calls, _, _ = graphs_for(lin, fn)
+    with torch.no_grad():
+        for _ in range(3):
+            g((torch.randn(2, 4),), {}, calls)
+    gc.collect()
+    assert g.captures == 1 and g.replays == 1
+    # The two uncaptured calls (the second one captured), and the capture's warm-up run: the
+    # graph owns its own output buffers, so none of these is still alive.
+    assert len(made) >= 3 and all(r() is None for r in made)
+
+
 def test_grad_mode_never_captures() -> None:
     lin = nn.Linear(4, 3)
     g, calls, _, _ = graphs_for(lin)
