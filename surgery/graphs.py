@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,12 +68,13 @@ class Capturer(Protocol):
     """Captures work into a graph. ``device`` is the CUDA index inputs must be on (-1: CPU).
 
     ``owned`` maps the storage address of every live region graph's owned output to its output
-    set and the storage's index there: an input found there has a stable address, so a graph
-    reads it in place instead of copying it.
+    set: an input found there has a stable address, so a graph reads it in place instead of
+    copying it. The CUDA capturer holds the sets weakly: a model dropped without ``restore()``
+    frees its graphs and buffers.
     """
 
     device: int
-    owned: dict[int, tuple[_Outputs, int]]
+    owned: MutableMapping[int, _Outputs]
 
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
@@ -89,7 +91,7 @@ class CudaCapturer:
 
     def __init__(self, device: int) -> None:
         self.device = device
-        self.owned: dict[int, tuple[_Outputs, int]] = {}
+        self.owned: MutableMapping[int, _Outputs] = weakref.WeakValueDictionary()
         self.live = 0  # graphs of the current pool still alive
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
@@ -230,6 +232,11 @@ class _Outputs:
     tensors: list[torch.Tensor]  # in output order; views of `storages`, laid out as compiled
     storages: list[Any]  # the distinct storages, one object each
     baseline: list[int]  # their use counts with only surgery's own references
+
+    def index(self, t: torch.Tensor) -> int:
+        """Which of this set's storages holds ``t``."""
+        ptr = t.untyped_storage().data_ptr()
+        return next(j for j, s in enumerate(self.storages) if s.data_ptr() == ptr)
 
     def held(self) -> bool:
         """Does anyone but us still reference what an earlier replay returned from this set?"""
@@ -449,8 +456,8 @@ class RegionGraphs:
         count = _use_count
         assert count is not None
         outs.baseline = [count(s._cdata) for s in storages]
-        for j, s in enumerate(storages):
-            self.capturer.owned[s.data_ptr()] = (outs, j)
+        for s in storages:
+            self.capturer.owned[s.data_ptr()] = outs
         cap.sets.append(outs)
         self.captures += 1
         return outs
@@ -479,9 +486,9 @@ class RegionGraphs:
         # Another region's owned output has a stable address: read it in place (no copy per
         # replay), unless this region writes it, which the warm-up run inside capture would
         # then repeat on the caller's tensor.
-        owned_elsewhere = self.capturer.owned if self.adopt else {}
-        adopted = [(i, t.data_ptr()) for i, t in enumerate(tensors)
-                   if i not in writes and t.untyped_storage().data_ptr() in owned_elsewhere]
+        owners = {i: self.capturer.owned.get(t.untyped_storage().data_ptr())
+                  for i, t in enumerate(tensors) if self.adopt and i not in writes}
+        adopted = [(i, tensors[i].data_ptr()) for i, o in owners.items() if o is not None]
         adopt = {i for i, _ in adopted}
         inputs = [t if i in adopt else
                   torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
@@ -505,8 +512,8 @@ class RegionGraphs:
             return run
 
         # The graph keeps each adopted input alive: one more reference its owner must expect.
-        adopted_from = [owned_elsewhere[tensors[i].untyped_storage().data_ptr()]
-                        for i, _ in adopted]
+        adopted_from = [(owner, owner.index(tensors[i])) for i, _ in adopted
+                        if (owner := owners[i]) is not None]
         cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, _layout_of(outputs),
                         work, [])
         outs = self._new_set(cap)

@@ -9,7 +9,9 @@ in tests/test_apply_cuda.py on a GPU.
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +40,7 @@ class FakeCapturer:
     device = -1  # CPU tensors
 
     def __init__(self, fail: bool = False) -> None:
-        self.owned: dict[int, Any] = {}
+        self.owned: Any = weakref.WeakValueDictionary()  # as CudaCapturer holds them
         self.fail = fail
         self.graphs: list[FakeGraph] = []
 
@@ -104,9 +106,6 @@ def test_without_storage_use_counts_nothing_is_captured(monkeypatch: pytest.Monk
 
 def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
     """Only the layout of the compiled call's outputs is kept, not the tensors (memory)."""
-    import gc
-    import weakref
-
     lin = nn.Linear(4, 3)
     made: list[weakref.ref[torch.Tensor]] = []
 
@@ -124,6 +123,21 @@ def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
     # The two uncaptured calls (the second one captured), and the capture's warm-up run: the
     # graph owns its own output buffers, so none of these is still alive.
     assert len(made) >= 3 and all(r() is None for r in made)
+
+
+def test_a_path_dropped_without_restore_leaves_nothing_in_the_capturer() -> None:
+    from surgery.graphs import CudaCapturer
+
+    assert isinstance(CudaCapturer(0).owned, weakref.WeakValueDictionary)
+    lin = nn.Linear(4, 3)
+    g, calls, _, cap = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(2):
+            g((torch.randn(2, 4),), {}, calls)
+    assert len(cap.owned) == 1
+    del g, calls
+    gc.collect()
+    assert len(cap.owned) == 0
 
 
 def test_grad_mode_never_captures() -> None:
