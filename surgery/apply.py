@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
+from surgery.capture import Capturer, CudaCapturer
 from surgery.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
 from surgery.errors import RegionError
-from surgery.graphs import Capturer, CudaCapturer, RegionGraphs
+from surgery.graphs import RegionGraphs
 from surgery.manifest import Manifest, Region
 from surgery.report import (
     ApplyReport,
