@@ -420,7 +420,7 @@ def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
       surgery warm --model surgery.examples:tiny --manifest tiny.surgery.toml
           --input surgery.examples:example_input --device cpu --overrides on_cpu=compile
     """
-    from surgery.cache import warm_start
+    from surgery.warm import warm_start
 
     result = warm_start(model_spec, manifest=manifest, input_spec=input_spec, device=device,
                         dtype=dtype, out=output, force=force, overrides=overrides)
