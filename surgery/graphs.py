@@ -170,6 +170,10 @@ class _Outputs:
         ptr = t.untyped_storage().data_ptr()
         return next(j for j, s in enumerate(self.storages) if s.data_ptr() == ptr)
 
+    def hand_out(self, clone: bool) -> list[torch.Tensor]:
+        """What a call returns: clones, or views that share this set's buffers."""
+        return [o.clone() for o in self.tensors] if clone else [o.detach() for o in self.tensors]
+
     def held(self) -> bool:
         """Does anyone but us still reference what an earlier replay returned from this set?"""
         pairs = zip(self.storages, self.baseline, strict=True)
@@ -245,7 +249,6 @@ class RegionGraphs:
         self.disabled = ""  # why this path no longer captures
         self.replays = 0
         self.captures = 0
-        self.uncaptured = 0  # calls with a captured signature that ran without the graph
         self.adopt = True  # read other regions' owned outputs in place (see _capture)
         self.moved = 0  # replays refused because an adopted input was somewhere else
         self.output_sets = 0  # the most output sets any signature needed
@@ -315,7 +318,6 @@ class RegionGraphs:
         outs = next((o for o in cap.sets if not o.held()), None)
         grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
         if outs is None and not grow:
-            self.uncaptured += 1
             if not self.clone:
                 self.clone = True
                 self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
@@ -341,8 +343,7 @@ class RegionGraphs:
         for i in cap.written:
             tensors[i].copy_(inputs[i])
         self.output_sets = max(self.output_sets, len(cap.sets))
-        return cap.rebuild([o.clone() for o in outs.tensors] if self.clone else
-                           [o.detach() for o in outs.tensors])
+        return cap.rebuild(outs.hand_out(self.clone))
 
     def drop(self, why: str) -> None:
         """Forget every captured graph of this path; the next calls capture again."""
@@ -459,5 +460,4 @@ class RegionGraphs:
         self.output_sets = max(self.output_sets, 1)
         if writes:  # the warm-up run saw the inputs after this call had written them
             return None
-        return rebuild([o.clone() for o in outs.tensors] if self.clone else
-                       [o.detach() for o in outs.tensors])
+        return rebuild(outs.hand_out(self.clone))

@@ -130,10 +130,11 @@ class _Slot:
         if graphs.replays > replays:  # a replay of a graph captured from compiled code
             rec.compiled_calls += 1
             rec.graph_replays += 1
-        rec.graphs_captured = graphs.captures
-        rec.output_sets = graphs.output_sets
-        rec.capture_s = graphs.capture_s
-        rec.clone_outputs = graphs.clone
+        else:  # captures, ring growth and the switch to cloning happen only off the replay path
+            rec.graphs_captured = graphs.captures
+            rec.output_sets = graphs.output_sets
+            rec.capture_s = graphs.capture_s
+            rec.clone_outputs = graphs.clone
         return out
 
     def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
