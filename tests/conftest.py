@@ -25,3 +25,39 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _let_torchvision_import_on_cpu_torch()
+
+
+def _let_torchvision_import_on_cpu_torch() -> None:
+    """Let ``import torchvision`` (which timm needs) work beside the CPU build of torch.
+
+    PyPI's x86_64 torchvision wheel links against CUDA torch (libtorch_cuda.so), so beside the
+    CPU torch 2.13.0 its C ops do not load, and its import then dies registering a fake kernel
+    for ``torchvision::nms`` ("operator torchvision::nms does not exist"). Declaring the two
+    schemas it registers unconditionally lets the pure-Python part import; the detection ops
+    stay unavailable, and no model in the tests uses them. Where the C ops load (the GPU
+    machine), nothing is done.
+    """
+    import ctypes
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return
+    import torch
+
+    try:
+        ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "_C.so"))
+        return
+    except OSError:
+        pass
+    for op in ("nms", "qnms"):
+        try:
+            torch.library.define(f"torchvision::{op}",
+                                 "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:  # already declared
+            pass
