@@ -16,6 +16,8 @@ _LAZY = {
     "ApplyHandle": "surgery.apply",
     "RegionRecord": "surgery.apply",
     "load_manifest": "surgery.manifest",
+    "load_exported": "surgery.exported",
+    "Exported": "surgery.exported",
     "Manifest": "surgery.manifest",
     "Region": "surgery.manifest",
     "SurgeryError": "surgery.errors",

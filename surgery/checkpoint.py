@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from surgery.manifest import Manifest
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
-PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+# `.pth.tar` (and `.tar`) is what timm's train.py names its checkpoints: a torch.save zip file.
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
+# The kinds a file can be read as; `kind=` (the CLI's --format) names one when the suffix cannot.
+KINDS: tuple[str, ...] = ("safetensors", "pickle", "sharded")
 INDEX_SUFFIX = ".index.json"
 
 # Container entries that commonly hold the state dict, in the order we prefer them when a file
@@ -97,12 +100,22 @@ class CheckpointInfo:
     entry: str | None = None  # the container entry the state dict came from, if any
     candidates: list[str] = field(default_factory=list)  # every entry that held a state dict
     ignored: list[str] = field(default_factory=list)  # non-tensor entries beside it
+    optimizer: dict[str, int] = field(default_factory=dict)  # entry -> optimizer param states
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     files: list[str] = field(default_factory=list)
 
 
-def checkpoint_kind(path: str) -> str:
-    """'safetensors', 'pickle' or 'sharded' from the file name; raises on anything else."""
+def checkpoint_kind(path: str, *, kind: str | None = None) -> str:
+    """'safetensors', 'pickle' or 'sharded' from the file name (or `kind`, when given).
+
+    Raises on a suffix it does not know: a file is read only as the kind it is named or said to
+    be, never guessed from its bytes.
+    """
+    if kind is not None:
+        if kind not in KINDS:
+            raise CheckpointError(f"{path}: unknown checkpoint kind {kind!r}", path=path,
+                                  hint=f"one of {', '.join(KINDS)}")
+        return kind
     name = os.path.basename(path)
     if name.endswith(INDEX_SUFFIX):
         return "sharded"
@@ -113,7 +126,8 @@ def checkpoint_kind(path: str) -> str:
     raise CheckpointError(
         f"{path}: unknown checkpoint type {os.path.splitext(name)[1] or '(no suffix)'!r}",
         path=path,
-        hint="give a .safetensors, .pt/.pth/.ckpt/.bin file or a sharded *.index.json, "
+        hint="give a .safetensors, .pt/.pth/.pth.tar/.ckpt/.bin file or a sharded *.index.json, "
+        "name the format with --format safetensors|torch|index, "
         "or plan a live model with --model package.module:factory",
     )
 
@@ -345,10 +359,31 @@ def select_state_dict(obj: object, *, path: str, key: str | None = None
     return cur, chosen, candidates, ignored
 
 
+def _is_optimizer_state(obj: object) -> bool:
+    """An ``optimizer.state_dict()``: per-parameter ``state`` and ``param_groups``. Its
+    ``state/N`` entries are dicts of tensors (exp_avg ...) but no model's weights."""
+    return isinstance(obj, Mapping) and isinstance(obj.get("state"), Mapping) and \
+        isinstance(obj.get("param_groups"), (list, tuple))
+
+
+def optimizer_entries(obj: object) -> dict[str, int]:
+    """Top-level entries holding optimizer state (one or a list of them): entry -> states."""
+    out: dict[str, int] = {}
+    if not isinstance(obj, Mapping):
+        return out
+    for k, v in obj.items():
+        states = v if isinstance(v, (list, tuple)) else [v]
+        if states and all(_is_optimizer_state(o) for o in states):
+            out[str(k)] = sum(len(o["state"]) for o in states)
+    return out
+
+
 def _find_candidates(obj: Mapping[Any, Any], prefix: str, depth: int = 0) -> list[str]:
     out: list[str] = []
     for k, v in obj.items():
         name = f"{prefix}{k}"
+        if _is_optimizer_state(v):
+            continue
         if _is_state_dict(v):
             out.append(name)
         elif isinstance(v, Mapping) and depth < 2:
@@ -367,17 +402,21 @@ def refuse_key_for_safetensors(path: str, key: str | None) -> None:
                               path=path, hint="drop --key; a safetensors file is flat")
 
 
-def read_checkpoint(path: str, *, key: str | None = None) -> CheckpointInfo:
-    """Read the keys, shapes and dtypes of any supported checkpoint."""
-    kind = checkpoint_kind(path)
+def read_checkpoint(path: str, *, key: str | None = None, kind: str | None = None
+                    ) -> CheckpointInfo:
+    """Read the keys, shapes and dtypes of any supported checkpoint (`kind`: not by suffix)."""
+    kind = checkpoint_kind(path, kind=kind)
     if kind == "safetensors":
         refuse_key_for_safetensors(path, key)
         tensors, meta, _ = read_safetensors_header(path)
         return CheckpointInfo(path, kind, tensors, metadata=meta, files=[path])
     if kind == "pickle":
-        sd, entry, cands, ignored = select_state_dict(torch_load_safely(path), path=path, key=key)
+        obj = torch_load_safely(path)
+        sd, entry, cands, ignored = select_state_dict(obj, path=path, key=key)
+        optimizer = optimizer_entries(obj)
         return CheckpointInfo(path, kind, _infos_from_state_dict(sd), entry=entry,
-                              candidates=cands, ignored=ignored, files=[path])
+                              candidates=cands, files=[path], optimizer=optimizer,
+                              ignored=[i for i in ignored if i not in optimizer])
     return _read_sharded(path, key=key)
 
 
@@ -425,10 +464,22 @@ def read_embedded_manifest(path: str) -> Manifest | None:
     Reads the header only and never imports torch, so the runtime can call it before building
     its model. The embedded text is checked against its recorded sha256 and against the schema.
     """
+    from surgery.manifest import parse_manifest
+
+    text = read_embedded_manifest_text(path)
+    if text is None:
+        return None
+    return parse_manifest(text, path=f"{path}[{META_MANIFEST}]")
+
+
+def read_embedded_manifest_text(path: str) -> str | None:
+    """The embedded manifest's TOML text, checked against its recorded sha256 (not parsed).
+
+    `surgery export --manifest` takes an export as its manifest and embeds this text as is.
+    """
     import hashlib
 
     from surgery.errors import ManifestError
-    from surgery.manifest import parse_manifest
 
     if checkpoint_kind(path) == "sharded":
         meta = _index_metadata(path)
@@ -448,8 +499,7 @@ def read_embedded_manifest(path: str) -> Manifest | None:
     if recorded is not None and recorded != digest:
         raise ManifestError(f"{path}: the embedded manifest does not match its recorded sha256",
                             path=path, hint="the file was edited after export; export it again")
-    manifest = parse_manifest(text, path=f"{path}[{META_MANIFEST}]")
-    return manifest
+    return text
 
 
 def _index_metadata(path: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from surgery import __version__
-from surgery.errors import EXIT_CANNOT_RUN, OutputExistsError, SurgeryError
+from surgery.errors import OutputExistsError, SurgeryError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,37 +30,99 @@ Exit codes:
 """
 
 
-def _fail(err: SurgeryError) -> None:
+def error_json(code: str, message: str, hint: str | None, exit_code: int) -> dict[str, Any]:
+    """The --json shape of a failure (schemas/error-output.schema.json): a CI job that parses
+    stdout gets the reason, not an empty string."""
+    return {"error": {"code": code, "message": message, "hint": hint, "exit_code": exit_code}}
+
+
+def _fail(err: SurgeryError, *, as_json: bool = False) -> None:
     click.secho(f"error: {err.message}", fg="red", err=True)
     if err.hint:
         click.echo(f"  fix: {err.hint}", err=True)
+    if as_json:
+        code = getattr(err, "code", None) or type(err).__name__
+        emit_json(error_json(str(code), err.message, err.hint, err.exit_code))
     sys.exit(err.exit_code)
 
 
 def handle_errors(fn: F) -> F:
-    """Map every SurgeryError to its exit code with a one-line message (never a traceback)."""
+    """Map every SurgeryError to its exit code with a one-line message (never a traceback).
+
+    Under --json the error is also printed as JSON on stdout.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
         except SurgeryError as e:
-            _fail(e)
+            _fail(e, as_json=as_json)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
         except MemoryError:
-            click.secho("error: out of memory", fg="red", err=True)
-            sys.exit(EXIT_CANNOT_RUN)
+            _fail(SurgeryError("out of memory"), as_json=as_json)
 
     return wrapper  # type: ignore[return-value]
+
+
+class _Group(click.Group):
+    """Click's group, except that with --json a usage error (exit 2) is JSON on stdout too."""
+
+    def main(self, args: Any = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode or "--json" not in argv:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            return super().main(argv, prog_name, complete_var, False, **extra)
+        except click.ClickException as e:
+            e.show()
+            emit_json(error_json("UsageError" if isinstance(e, click.UsageError) else
+                                 type(e).__name__, e.format_message(), None, e.exit_code))
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+
+
+def _factory_spec(ctx: click.Context, param: click.Parameter, value: str | None
+                  ) -> str | None:
+    """PKG.MOD:FACTORY, checked before anything is imported: a malformed one is a usage error."""
+    if value is None:
+        return None
+    mod, sep, attr = value.partition(":")
+    if not sep or not mod or not attr:
+        raise click.BadParameter(f"{value!r} is not PKG.MOD:FACTORY (e.g. "
+                                 f"{mod or 'mypkg.models'}:{attr or 'build'})")
+    return value
+
+
+def _resolve(source: str, format: str | None, *, quiet: bool) -> Any:
+    """The file a CHECKPOINT argument names (a folder resolves to the weights in it)."""
+    from surgery.source import resolve_checkpoint
+
+    resolved = resolve_checkpoint(source, format=format)
+    if resolved.note and not quiet:
+        click.secho(f"note: {resolved.note}", fg="yellow", err=True)
+    return resolved
+
+
+FORMAT_OPTION = click.option(
+    "--format", "fmt", type=click.Choice(["safetensors", "torch", "index"]),
+    help="Read the checkpoint as this format whatever its suffix: safetensors, torch "
+    "(torch.save: .pt/.pth/.pth.tar/.ckpt/.bin) or index (a sharded *.index.json).")
 
 
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EPILOG)
 @click.version_option(__version__, prog_name="surgery")
 def cli() -> None:
     """Make PyTorch models compile-ready for deployment.
@@ -99,13 +161,17 @@ def _render_plan(summary: dict[str, Any], out: str) -> None:
         click.echo("left out:")
         for lo in summary["left_out"]:
             click.echo(f"  {lo['count']:>4} {lo['kind']}: {lo['reason']}")
-    for note in summary["notes"]:
+    _render_notes(summary["notes"])
+
+
+def _render_notes(notes: list[str]) -> None:
+    for note in notes:
         click.secho(f"note: {note}", fg="yellow", err=True)
 
 
 @cli.command(epilog=EPILOG)
-@click.argument("source", required=False, type=click.Path(dir_okay=False))
-@click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY",
+@click.argument("source", required=False, type=click.Path())
+@click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY", callback=_factory_spec,
               help="Plan a live model built by this factory instead of a checkpoint. A live "
               "model shows classes and method regions (attn_pre, ffn_residual).")
 @click.option("-o", "--output", metavar="PATH",
@@ -134,16 +200,19 @@ def _render_plan(summary: dict[str, Any], out: str) -> None:
               "region path and replays it without entering dynamo, which cuts the host time of "
               "each call several-fold (benchmarks/RESULTS.md; the contract is in "
               "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@FORMAT_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary "
+              "(schemas/plan-output.schema.json).")
 @handle_errors
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
-         capture: str | None, as_json: bool) -> None:
+         capture: str | None, fmt: str | None, as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
 
     \b
-    SOURCE is a .safetensors, .pt/.pth/.ckpt/.bin or sharded *.index.json checkpoint.
+    SOURCE is a .safetensors, .pt/.pth/.pth.tar/.ckpt/.bin or sharded *.index.json checkpoint,
+    or a save_pretrained folder holding one (model.safetensors, pytorch_model.bin, ...).
     Safetensors files are planned from their header alone (no tensor data is read).
     Wrapper-prefixed keys (_orig_mod., module., ...) are planned as the clean model.
 
@@ -160,8 +229,15 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
 
     if (source is None) == (model_spec is None):
         raise click.UsageError("give either a checkpoint SOURCE or --model PKG.MOD:FACTORY")
-    if model_spec is not None and (key or prefix):
-        raise click.UsageError("--key and --prefix apply to checkpoints, not to --model")
+    if model_spec is not None and (key or prefix or fmt):
+        raise click.UsageError("--key, --prefix and --format apply to checkpoints, not to --model")
+    if output == "-" and as_json:
+        raise click.BadParameter("-o - writes the manifest to stdout, where --json would go too; "
+                                 "write the manifest to a file", param_hint="-o")
+    kind = None
+    if source is not None:
+        resolved = _resolve(source, fmt, quiet=as_json)
+        source, kind = resolved.path, resolved.kind
     out = output or planner.default_output(source or model_spec or "")
     if out != "-":
         if source is not None and os.path.abspath(out) == os.path.abspath(source):
@@ -172,7 +248,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
     comp = planner.compile_defaults(backend=backend, mode=mode, capture=capture)
     if source is not None:
         result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
-                                         exclude=exclude, compile=comp, fold=fold)
+                                         exclude=exclude, compile=comp, fold=fold, kind=kind)
     else:
         assert model_spec is not None
         result = planner.plan_model(model_spec, include=include, exclude=exclude, compile=comp,
@@ -187,6 +263,8 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
         emit_json({"output": out, **summary})
     elif out != "-":
         _render_plan(summary, out)
+    else:  # the manifest went to stdout; what the planner noticed still reaches the user
+        _render_notes(summary["notes"])
 
 
 @cli.command(epilog=EPILOG)
@@ -196,12 +274,13 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
 def check(manifest: str, as_json: bool) -> None:
     """Validate a manifest file against the schema.
 
+    MANIFEST is a .surgery.toml, or an export (.safetensors, *.index.json) that embeds one.
     Errors name the TOML location of the problem (e.g. region[2].paths[0]) and its line.
     Exit 0 when valid, 3 when not.
     """
-    from surgery.manifest import load_manifest
+    from surgery.source import load_manifest_file
 
-    m = load_manifest(manifest)
+    m = load_manifest_file(manifest)
     paths = sum(len(r.paths) for r in m.regions)
     if as_json:
         emit_json({"manifest": manifest, "valid": True, "regions": len(m.regions),
@@ -271,29 +350,34 @@ def _render_findings(report: Any, *, all_keys: bool) -> None:
 
 
 @cli.command(epilog=EPILOG)
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--manifest", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Check the manifest's fingerprint and region paths against the checkpoint.")
+              help="Check the manifest's fingerprint and region paths against the checkpoint "
+              "(a .surgery.toml, or an export that embeds one).")
 @click.option("--deep", is_flag=True, help="Read the data too: NaN/Inf, float64, shared storage.")
 @click.option("--key", metavar="ENTRY", help="Container entry that holds the state dict "
               "(nested: outer/inner).")
 @click.option("--prefix", metavar="PREFIX", help="Verify only the model under this attribute "
               "prefix (e.g. a LightningModule's model.).")
 @click.option("--all", "all_keys", is_flag=True, help="List every affected key, not examples.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+@FORMAT_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report "
+              "(schemas/verify-output.schema.json).")
 @handle_errors
 def verify(checkpoint: str, manifest: str | None, deep: bool, key: str | None,
-           prefix: str | None, all_keys: bool, as_json: bool) -> None:
+           prefix: str | None, all_keys: bool, fmt: str | None, as_json: bool) -> None:
     """Prove CHECKPOINT is prefix-free (a CI gate): exit 0 clean, 1 findings, 3 unreadable.
 
-    For a .safetensors file it reads the header only, without importing torch.
+    CHECKPOINT is a file or a save_pretrained folder. For a .safetensors file it reads the
+    header only, without importing torch.
     """
     from surgery.hygiene import verify_checkpoint
 
+    resolved = _resolve(checkpoint, fmt, quiet=as_json)
     progress = _Progress("scanning")
     try:
-        report = verify_checkpoint(checkpoint, key=key, prefix=prefix, manifest=manifest,
-                                   deep=deep, progress=progress)
+        report = verify_checkpoint(resolved.path, key=key, prefix=prefix, manifest=manifest,
+                                   deep=deep, progress=progress, kind=resolved.kind)
     finally:
         progress.close()
     if as_json:
@@ -316,11 +400,12 @@ def _parse_shard_size(ctx: click.Context, param: click.Parameter, value: str | N
 
 
 @cli.command(epilog=EPILOG)
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=click.Path())
 @click.option("-o", "--output", required=True, metavar="OUT.safetensors",
               help="Where to write (shards are named after it).")
 @click.option("--manifest", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Embed this manifest (its fingerprint must match) in the output.")
+              help="Embed this manifest (its fingerprint must match) in the output (a "
+              ".surgery.toml, or an export that embeds one).")
 @click.option("--key", metavar="ENTRY", help="Container entry that holds the state dict "
               "(nested: outer/inner).")
 @click.option("--prefix", metavar="PREFIX", help="Export only the model under this attribute "
@@ -328,24 +413,29 @@ def _parse_shard_size(ctx: click.Context, param: click.Parameter, value: str | N
 @click.option("--max-shard-size", callback=_parse_shard_size, metavar="SIZE",
               help="Split into shards of at most SIZE (e.g. 5GB, 500MiB) plus an index.json.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
+@FORMAT_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result "
+              "(schemas/export-output.schema.json).")
 @handle_errors
 def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
-           prefix: str | None, max_shard_size: int | None, force: bool, as_json: bool) -> None:
+           prefix: str | None, max_shard_size: int | None, force: bool, fmt: str | None,
+           as_json: bool) -> None:
     """Write CHECKPOINT's unwrapped model as prefix-free safetensors.
 
-    The write is atomic and streams tensor by tensor; the input is never modified.
+    CHECKPOINT is a file or a save_pretrained folder. The write is atomic and streams tensor
+    by tensor; the input is never modified.
     """
     from surgery.hygiene import export_checkpoint
 
     if not output.endswith(".safetensors"):
         raise click.BadParameter(f"{output!r} does not end in .safetensors",
                                  param_hint="'-o' / '--output'")
+    resolved = _resolve(checkpoint, fmt, quiet=as_json)
     progress = _Progress("writing")
     try:
-        result = export_checkpoint(checkpoint, out=output, key=key, prefix=prefix,
+        result = export_checkpoint(resolved.path, out=output, key=key, prefix=prefix,
                                    manifest=manifest, max_shard_size=max_shard_size,
-                                   force=force, progress=progress)
+                                   force=force, progress=progress, kind=resolved.kind)
     finally:
         progress.close()
     if as_json:
@@ -386,12 +476,13 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
 
 @cli.command(epilog=EPILOG)
 @click.option("--model", "model_spec", required=True, metavar="PKG.MOD:FACTORY",
+              callback=_factory_spec,
               help="Factory that builds the model (with its weights or not: shapes matter).")
 @click.option("--manifest", required=True, type=click.Path(dir_okay=False),
               help="The manifest to apply (.surgery.toml, or an export that embeds one).")
 @click.option("--input", "input_spec", required=True, metavar="PKG.MOD:FACTORY",
-              help="Factory that receives the model and returns its example input "
-              "(e.g. surgery.examples:example_input).")
+              callback=_factory_spec, help="Factory that receives the model and returns its "
+              "example input (e.g. surgery.examples:example_input).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where to warm up (default: cuda when available). A bundle is valid only "
               "for this device kind and GPU.")

@@ -48,6 +48,7 @@ from surgery.keys import (
     strip_prefix,
 )
 from surgery.manifest import Manifest, compute_fingerprint, parse_manifest
+from surgery.source import load_manifest_file, read_manifest_text
 from surgery.stream import ProgressFn, nbytes
 
 # --- the model a checkpoint holds -----------------------------------------------------------
@@ -136,15 +137,17 @@ class VerifyReport:
 
 def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None = None,
                       manifest: str | Manifest | None = None, deep: bool = False,
-                      progress: ProgressFn | None = None) -> VerifyReport:
+                      progress: ProgressFn | None = None, kind: str | None = None
+                      ) -> VerifyReport:
     """Check a checkpoint's key hygiene (and, optionally, its manifest and its data).
 
-    For a safetensors file this reads the header only and does not import torch.
+    For a safetensors file this reads the header only and does not import torch. `kind`
+    names the file's format when its suffix does not (checkpoint.KINDS).
     """
     m = _load_manifest(manifest) if manifest is not None else None
-    if prefix is None and m is not None and m.model.get("prefix"):
-        prefix = str(m.model["prefix"])  # the manifest was planned for the inner model
-    info = read_checkpoint(path, key=key)
+    info = read_checkpoint(path, key=key, kind=kind)
+    if prefix is None and m is not None:
+        prefix = manifest_prefix(m, info)
     findings = check_keys(info.tensors, source=path, key=key, prefix=prefix)
     mk = model_keys(list(info.tensors), prefix=prefix)
     fingerprint = None if mk.collisions else compute_fingerprint(
@@ -164,10 +167,29 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
         findings.extend(_check_manifest(m, mk, fingerprint))
         findings.extend(_check_cache_bundle(m))
     if deep:
-        findings.extend(_deep_findings(path, key=key, info=info, progress=progress))
+        findings.extend(_deep_findings(path, key=key, kind=kind, info=info, progress=progress))
     return VerifyReport(path, info.format, info.entry, prefix, len(info.tensors), fingerprint,
                         findings, manifest=_manifest_name(manifest), deep=deep,
                         dropped=mk.dropped)
+
+
+def manifest_prefix(m: Manifest, info: CheckpointInfo) -> str | None:
+    """The prefix to apply to `info`'s keys for the model `m` was planned for, or None.
+
+    A manifest planned with ``--prefix model.`` records that prefix for the checkpoint it was
+    planned from, and its fingerprint is that of the model under the prefix. A file whose keys
+    were already stripped (a `surgery export`, or a user's own re-save) must not be stripped
+    again: an export says so in its metadata, and otherwise a file whose unprefixed keys give
+    the manifest's fingerprint already is that model.
+    """
+    prefix = m.model.get("prefix")
+    if not prefix:
+        return None
+    if META_FINGERPRINT in info.metadata:
+        return None  # written by `surgery export`: its keys are the model's own
+    if model_fingerprint(info.tensors) == m.fingerprint:
+        return None
+    return str(prefix)
 
 
 def _manifest_name(manifest: str | Manifest | None) -> str | None:
@@ -179,22 +201,8 @@ def _manifest_name(manifest: str | Manifest | None) -> str | None:
 def _load_manifest(manifest: str | Manifest) -> Manifest:
     if isinstance(manifest, Manifest):
         return manifest
-    return parse_manifest(_read_manifest_text(manifest), path=manifest)
+    return load_manifest_file(manifest)
 
-
-def _read_manifest_text(path: str) -> str:
-    from surgery.errors import ManifestError
-
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8")
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no such manifest", path=path,
-                            hint="plan one with `surgery plan CHECKPOINT`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: cannot read it as UTF-8 text ({e.__class__.__name__})",
-                            path=path, hint="a manifest is TOML text written by `surgery plan`"
-                            ) from None
 
 
 def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None) -> list[Finding]:
@@ -251,7 +259,7 @@ def _check_cache_bundle(m: Manifest) -> list[Finding]:
 # --- verify --deep --------------------------------------------------------------------------
 
 
-def _deep_findings(path: str, *, key: str | None, info: CheckpointInfo,
+def _deep_findings(path: str, *, key: str | None, kind: str | None, info: CheckpointInfo,
                    progress: ProgressFn | None) -> list[Finding]:
     """Read every tensor's bytes once: non-finite values, float64 tensors, shared storage."""
     from surgery.stream import open_source
@@ -264,7 +272,7 @@ def _deep_findings(path: str, *, key: str | None, info: CheckpointInfo,
             "cast them in the training code, or before export: "
             "{k: v.float() if v.dtype == torch.float64 else v for k, v in sd.items()}",
             [f"{k} {list(info.tensors[k].shape)}" for k in f64[:EXAMPLES]]))
-    src = open_source(path, key=key)
+    src = open_source(path, key=key, kind=kind)
     try:
         seen: set[Any] = set()
         todo = []
@@ -370,7 +378,8 @@ class ExportResult:
 def export_checkpoint(path: str, *, out: str, key: str | None = None,
                       prefix: str | None = None, manifest: str | None = None,
                       max_shard_size: int | None = None, force: bool = False,
-                      progress: ProgressFn | None = None) -> ExportResult:
+                      progress: ProgressFn | None = None, kind: str | None = None
+                      ) -> ExportResult:
     """Write the checkpoint's unwrapped model as prefix-free safetensors, atomically.
 
     Refuses keys that would merge (listing both originals) and FSDP flat parameters. Tied
@@ -387,12 +396,12 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
     manifest_text: str | None = None
     m: Manifest | None = None
     if manifest is not None:
-        manifest_text = _read_manifest_text(manifest)
+        manifest_text = read_manifest_text(manifest)
         m = parse_manifest(manifest_text, path=manifest)
-        if prefix is None and m.model.get("prefix"):
-            prefix = str(m.model["prefix"])
-    src = open_source(path, key=key)
+    src = open_source(path, key=key, kind=kind)
     try:
+        if prefix is None and m is not None:
+            prefix = manifest_prefix(m, src.info)
         _refuse_same_file(out, [*src.info.files, path])
         keys = list(src.infos)
         flat = [k for k in keys if FLAT_PARAM.name in k.split(".")]

@@ -101,7 +101,7 @@ def default_output(source: str) -> str:
         return source.rsplit(":", 1)[1] + MANIFEST_SUFFIX
     base = os.path.basename(source)
     for suffix in (".safetensors.index.json", ".bin.index.json", ".index.json", ".safetensors",
-                   ".pt", ".pth", ".ckpt", ".bin"):
+                   ".pth.tar", ".tar", ".pt", ".pth", ".ckpt", ".bin"):
         if base.endswith(suffix):
             base = base[: -len(suffix)]
             break
@@ -213,14 +213,20 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
 
 def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = None,
                     include: Sequence[str] = (), exclude: Sequence[str] = (),
-                    compile: dict[str, Any] | None = None, fold: bool = False) -> PlanResult:
-    """Plan the canonical (prefix-free) model stored in a checkpoint."""
-    info: CheckpointInfo = read_checkpoint(path, key=key)
+                    compile: dict[str, Any] | None = None, fold: bool = False,
+                    kind: str | None = None) -> PlanResult:
+    """Plan the canonical (prefix-free) model stored in a checkpoint.
+
+    `kind` names the file's format when its suffix does not (checkpoint.KINDS).
+    """
+    info: CheckpointInfo = read_checkpoint(path, key=key, kind=kind)
     notes: list[str] = []
     if info.entry is not None:
         others = [c for c in info.candidates if c != info.entry]
         also = f"; other state dicts: {', '.join(others)} (choose with --key)" if others else ""
         notes.append(f"used the state dict in entry {info.entry!r}{also}")
+    for entry, n in info.optimizer.items():
+        notes.append(f"optimizer state ({n} entries) in {entry!r}, ignored")
     if info.ignored:
         notes.append(f"ignored non-tensor entries: {', '.join(info.ignored[:8])}")
     if not info.tensors:
@@ -231,6 +237,8 @@ def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = N
     manifest = _manifest(view_from_tensors(tensors), tensors, source=os.path.basename(path),
                          include=include, exclude=exclude, extra=extra, compile=compile,
                          fold=fold)
+    if fold:
+        notes.extend(_fold_note(manifest))
     if not any(r.callable == "method" for r in manifest.regions):
         notes.append("a checkpoint cannot show methods (attn_pre, ffn_residual); plan the live "
                      "model with --model package.module:factory to find them")
@@ -322,4 +330,16 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
     cls = f"{type(model).__module__}.{type(model).__qualname__}"
     manifest = _manifest(view, tensors, source=spec, include=include, exclude=exclude,
                          extra={"class": cls}, compile=compile, fold=fold)
+    if fold:
+        notes.extend(_fold_note(manifest))
     return PlanResult(manifest, spec, notes, wrapped)
+
+
+def _fold_note(manifest: Manifest) -> list[str]:
+    """--fold that folded nothing says so: a flag that silently does nothing reads as done."""
+    if any(lo.reason.startswith("folded into ") for lo in manifest.left_out):
+        return []
+    return ["--fold folded nothing: no container below the top level has numbered blocks that "
+            "are all regions with nothing streaming inside (the model's own block list, as in "
+            "timm's blocks.N or Flux's transformer_blocks.N, is the whole model and stays as its "
+            "blocks)"]

@@ -272,9 +272,10 @@ class ShardedSource(TensorSource):
             src.close()
 
 
-def open_source(path: str, *, key: str | None = None) -> TensorSource:
-    """Open any supported checkpoint for streaming reads (see read_checkpoint for `key`)."""
-    kind = checkpoint_kind(path)
+def open_source(path: str, *, key: str | None = None, kind: str | None = None
+                ) -> TensorSource:
+    """Open any supported checkpoint for streaming reads (see read_checkpoint for `key`, `kind`)."""
+    kind = checkpoint_kind(path, kind=kind)
     if kind == "safetensors":
         refuse_key_for_safetensors(path, key)
         return SafetensorsSource(path)

@@ -209,7 +209,7 @@ def test_cli_plan_capture_conflicts(tmp_path, args: list[str], code: int, messag
         pytest.param(["{ckpt}", "--model", "x:y"], 2, "either a checkpoint", id="both"),
         pytest.param(["{tmp}/missing.safetensors"], 3, "no such file", id="missing"),
         pytest.param(["{tmp}/m.onnx"], 3, "unknown checkpoint type", id="unknown-suffix"),
-        pytest.param(["--model", "nodots"], 3, "package.module:factory", id="bad-spec"),
+        pytest.param(["--model", "nodots"], 2, "is not PKG.MOD:FACTORY", id="bad-spec"),
         pytest.param(["--model", "no_such_module_xyz:f"], 3, "cannot import", id="no-module"),
         pytest.param(["--model", "surgery.examples:nope"], 3, "no attribute", id="no-attr"),
         pytest.param(["{ckpt}", "--include", "aggregator.fram_blocks.*"], 3, "did you mean",
