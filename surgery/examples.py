@@ -13,6 +13,10 @@ them (pytorch#152887), unless the region's outputs are cloned outside the graph.
 ``tiny()`` is for tests; ``lingbot()`` is LingBot size (dim 1024, 24 of each block kind,
 16 heads, 14-pixel patches) for benchmarks. Both are ``--model`` factories:
 ``surgery plan --model surgery.examples:tiny``.
+
+The SDPA build (``tiny_sdpa``, ``lingbot_sdpa``; ``surgery.examples_sdpa``) is LingBot-Map's
+other layout: plain SDPA streaming blocks, a shared RoPE module, a float32 DPT head and a camera
+trunk with its own KV cache. ``stream_step`` streams one frame a call, for ``--input``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Re-exported so that `--model surgery.examples:lingbot_sdpa` and `--input
+# surgery.examples:stream_step` name every example from one module.
+from surgery.examples_sdpa import lingbot_sdpa as lingbot_sdpa
+from surgery.examples_sdpa import stream_step as stream_step
+from surgery.examples_sdpa import tiny_sdpa as tiny_sdpa
 
 
 @dataclass(frozen=True)
