@@ -169,6 +169,16 @@ def _render_notes(notes: list[str]) -> None:
         click.secho(f"note: {note}", fg="yellow", err=True)
 
 
+def _render_coverage(cov: dict[str, Any]) -> None:
+    """Where the eager step's time goes: inside regions, and the largest parts left eager."""
+    if "step_ms" not in cov:
+        return
+    click.echo(f"coverage: {cov['covered_share']:.1%} of the eager step inside regions "
+               f"({cov['covered_ms']:.2f} of {cov['step_ms']:.2f} ms, {cov['clock']})")
+    for r in cov.get("remainder", []):
+        click.echo(f"  eager {r['share']:>6.1%} {r['ms']:>9.3f} ms  {r['path']}")
+
+
 @cli.command(epilog=EPILOG)
 @click.argument("source", required=False, type=click.Path())
 @click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY", callback=_factory_spec,
@@ -200,6 +210,18 @@ def _render_notes(notes: list[str]) -> None:
               "region path and replays it without entering dynamo, which cuts the host time of "
               "each call several-fold (benchmarks/RESULTS.md; the contract is in "
               "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
+@click.option("--input", "input_spec", metavar="PKG.MOD:STEP",
+              help="With --model: plan from evidence. STEP(model) runs one step (e.g. "
+              "surgery.examples:stream_step streams one frame); plan runs it --steps times "
+              "eagerly, records every module call's signature and time, and makes regions of "
+              "the subtrees that keep one shape. The manifest gets [coverage].")
+@click.option("--steps", type=click.IntRange(1, 1000), default=4, show_default=True,
+              help="With --input: how many steps to watch (enough for a cache to show growth).")
+@click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+              help="With --input: where the model runs (cuda times calls with CUDA events).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32",
+              show_default=True, help="With --input: run the steps under this autocast dtype "
+              "(weights stay as built), as streaming models deploy.")
 @FORMAT_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary "
               "(schemas/plan-output.schema.json).")
@@ -207,7 +229,8 @@ def _render_notes(notes: list[str]) -> None:
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
-         capture: str | None, fmt: str | None, as_json: bool) -> None:
+         capture: str | None, fmt: str | None, input_spec: str | None, steps: int,
+         device: str, dtype: str, as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
 
     \b
@@ -234,6 +257,8 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
     if output == "-" and as_json:
         raise click.BadParameter("-o - writes the manifest to stdout, where --json would go too; "
                                  "write the manifest to a file", param_hint="-o")
+    if input_spec is not None and model_spec is None:
+        raise click.UsageError("--input drives a live model: give --model PKG.MOD:FACTORY too")
     kind = None
     if source is not None:
         resolved = _resolve(source, fmt, quiet=as_json)
@@ -251,18 +276,28 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
                                          exclude=exclude, compile=comp, fold=fold, kind=kind)
     else:
         assert model_spec is not None
-        result = planner.plan_model(model_spec, include=include, exclude=exclude, compile=comp,
-                                    fold=fold)
+        if input_spec is not None:
+            from surgery.plan_observed import plan_observed
+
+            result = plan_observed(model_spec, input_spec=input_spec, steps=steps,
+                                   device=device, dtype=dtype, include=include,
+                                   exclude=exclude, compile=comp)
+        else:
+            result = planner.plan_model(model_spec, include=include, exclude=exclude,
+                                        compile=comp, fold=fold)
     text = dumps_manifest(result.manifest)
     if out == "-":
         click.echo(text, nl=False)
     else:
         write_text_atomic(out, text, force=force)
     summary = result.summary()
+    coverage = result.manifest.coverage
     if as_json:
-        emit_json({"output": out, **summary})
+        emit_json({"output": out, **summary, **({"coverage": coverage} if coverage else {})})
     elif out != "-":
         _render_plan(summary, out)
+        if coverage:
+            _render_coverage(coverage)
     else:  # the manifest went to stdout; what the planner noticed still reaches the user
         _render_notes(summary["notes"])
 

@@ -59,6 +59,8 @@ class Region:
     module_class: str | None = None
     parameters: int | None = None
     compile: dict[str, Any] = field(default_factory=dict)  # per-region overrides
+    # What a run showed (plan --input): observed signatures, calls a step, share of step time.
+    evidence: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "callable": self.callable,
@@ -70,6 +72,8 @@ class Region:
         if self.compile:
             d["compile"] = dict(self.compile)
         d["paths"] = list(self.paths)
+        if self.evidence is not None:
+            d["evidence"] = dict(self.evidence)
         return d
 
     @classmethod
@@ -77,7 +81,8 @@ class Region:
         return cls(kind=d["kind"], paths=list(d["paths"]), callable=d.get("callable", "forward"),
                    required=d.get("required", True), on_failure=d.get("on_failure", "eager"),
                    module_class=d.get("class"), parameters=d.get("parameters"),
-                   compile=dict(d.get("compile", {})))
+                   compile=dict(d.get("compile", {})),
+                   evidence=dict(d["evidence"]) if "evidence" in d else None)
 
 
 @dataclass
@@ -98,6 +103,8 @@ class Manifest:
     left_out: list[LeftOut] = field(default_factory=list)
     model: dict[str, Any] = field(default_factory=dict)  # source, prefix, class, counts
     schema_version: int = SCHEMA_VERSION
+    # plan --input: how the run was made and the share of its eager step time inside regions.
+    coverage: dict[str, Any] | None = None
     source_path: str | None = None  # where it was read from, if anywhere (not serialised)
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +118,8 @@ class Manifest:
         }
         if self.left_out:
             d["left_out"] = [vars(lo).copy() for lo in self.left_out]
+        if self.coverage is not None:
+            d["coverage"] = dict(self.coverage)
         return d
 
     @classmethod
@@ -124,6 +133,7 @@ class Manifest:
             left_out=[LeftOut(**lo) for lo in d.get("left_out", [])],
             model=model,
             schema_version=d["schema_version"],
+            coverage=dict(d["coverage"]) if "coverage" in d else None,
         )
 
     def region_compile(self, region: Region) -> dict[str, Any]:
