@@ -45,6 +45,7 @@ from surgery.resolve import (
     resolve_manifest,
     resolve_path,
 )
+from surgery.signatures import signature_check
 from surgery.slots import (
     _CountingBackend,
     _Group,
@@ -303,6 +304,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
         slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
                                    notes=rec.notes)
+    slot.check = signature_check(region.evidence, rec.path, eager)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)
     return slot

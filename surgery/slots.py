@@ -22,6 +22,7 @@ from surgery.errors import RegionError
 from surgery.graphs import RegionGraphs
 from surgery.manifest import Region
 from surgery.report import RegionFallbackWarning, RegionRecord, SurgeryWarning
+from surgery.signatures import SignatureCheck
 
 # Errors raised while dynamo traces or a backend compiles. A region that raises one of these
 # falls back to eager; any other exception is the model's own and propagates unchanged.
@@ -114,6 +115,8 @@ class _Slot:
     mode: str = "compiled"  # "compiled" | "eager" | "restored"
 
     graphs: RegionGraphs | None = None  # surgery's own CUDA graphs (capture = "region")
+    # Warns once on a signature `plan --input` never observed; checked off the replay path.
+    check: SignatureCheck | None = None
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self.record
@@ -123,6 +126,8 @@ class _Slot:
             return self.eager(*args, **kwargs)
         graphs = self.graphs
         if graphs is None:
+            if self.check is not None:
+                self.check.check(args, kwargs)
             out = self.run_compiled(args, kwargs)[0]
             return _clone_tensors(out) if rec.clone_outputs else out
         replays = graphs.replays
@@ -131,6 +136,8 @@ class _Slot:
             rec.compiled_calls += 1
             rec.graph_replays += 1
         else:  # captures, ring growth and the switch to cloning happen only off the replay path
+            if self.check is not None:  # a new signature always arrives here first
+                self.check.check(args, kwargs)
             rec.graphs_captured = graphs.captures
             rec.output_sets = graphs.output_sets
             rec.capture_s = graphs.capture_s

@@ -119,3 +119,35 @@ def test_shared_rope_and_heads_untimed() -> None:
             "camera_head.trunk.1.mlp", "aggregator.patch_embed"} <= set(choice.regions)
     assert not any(r.startswith("camera_head.trunk.1.") and r.count(".") == 2
                    for r in choice.regions if not r.endswith(".mlp"))
+
+
+def test_apply_warns_once_on_a_signature_the_plan_never_saw() -> None:
+    from surgery import apply_manifest
+    from surgery.plan_observed import manifest_from_evidence, watch_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                                torch.nn.Linear(8, 4)).eval()
+    outer = torch.nn.Sequential(model, torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                           torch.nn.ReLU())).eval()
+
+    def step(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            m(torch.randn(2, 4))
+
+    w = watch_model(outer, step, steps=2, timed_steps=0)
+    manifest = manifest_from_evidence(w, source="test")
+    assert [p for r in manifest.regions for p in r.paths] == ["0", "1"]
+    handle = apply_manifest(outer, manifest, overrides={"backend": "eager", "on_cpu": "compile"})
+    try:
+        with torch.no_grad():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UnplannedSignatureWarning)
+                outer(torch.randn(2, 4))  # planned
+            with pytest.warns(UnplannedSignatureWarning, match=r"region path '0'.*f32\[5,4\]"):
+                outer(torch.randn(5, 4))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UnplannedSignatureWarning)
+                outer(torch.randn(7, 4))  # once per path
+    finally:
+        handle.restore()
