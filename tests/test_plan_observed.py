@@ -59,7 +59,8 @@ def test_schema_rejects_a_bad_coverage(sdpa_plan) -> None:  # type: ignore[no-un
     from surgery.errors import ManifestError
 
     _, out = sdpa_plan
-    text = open(out).read().replace("covered_share = ", "covered_share = 7", 1)
+    with open(out) as f:
+        text = f.read().replace("covered_share = ", "covered_share = 7", 1)
     with pytest.raises(ManifestError, match="covered_share"):
         parse_manifest(text)
 
