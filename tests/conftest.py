@@ -41,6 +41,7 @@ def _let_torchvision_import_on_cpu_torch() -> None:
     stay unavailable, and no model in the tests uses them. Where the C ops load (the GPU
     machine), nothing is done.
     """
+    import contextlib
     import ctypes
     import importlib.util
     import os
@@ -56,8 +57,6 @@ def _let_torchvision_import_on_cpu_torch() -> None:
     except OSError:
         pass
     for op in ("nms", "qnms"):
-        try:
+        with contextlib.suppress(RuntimeError):  # already declared
             torch.library.define(f"torchvision::{op}",
                                  "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:  # already declared
-            pass
