@@ -3,11 +3,14 @@
 #   make test   run the test suite
 # Each creates .venv and installs what it needs. torch==2.13.0 is installed first where torch is
 # missing: it is a CPU build on this machine's disk, while a bare `torch` pulls GBs of CUDA.
+# `make demo` installs surgery and its run-time dependencies only; the test and lint tools
+# (pytest, ruff, mypy, build) come with the targets that use them.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.surgery-installed
+DEV    := $(VENV)/.surgery-dev-installed
 TORCH  ?= torch==2.13.0
 DEMO   := .demo
 
@@ -17,19 +20,27 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	@$(BIN)/python -c "import torch" 2>/dev/null || { \
+		echo "== installing $(TORCH) (the long step, about a minute)"; \
+		$(BIN)/pip install --progress-bar on "$(TORCH)"; }
+	@echo "== installing surgery and its run-time dependencies"
+	$(BIN)/pip install --progress-bar on -e .
 	touch $@
 
-install: $(STAMP)
+$(DEV): $(STAMP)
+	@echo "== installing the test and lint tools (pytest, ruff, mypy, build)"
+	$(BIN)/pip install --progress-bar on -e ".[dev]"
+	touch $@
 
-test: $(STAMP)
+install: $(DEV)
+
+test: $(DEV)
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(DEV)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(BIN)/ruff check surgery tests benchmarks
 	$(BIN)/mypy
 
@@ -59,7 +70,7 @@ manifests: $(STAMP)
 	$(BIN)/surgery plan --model surgery.examples:lingbot --backend cudagraphs \
 		-o manifests/example-lingbot-cudagraphs.surgery.toml --force
 
-wheel: $(STAMP)
+wheel: $(DEV)
 	$(BIN)/python -m build --wheel --outdir dist .
 
 bench: $(STAMP)

@@ -302,27 +302,55 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
         _render_notes(summary["notes"])
 
 
+def _each(files: tuple[str, ...], one: Callable[[str], int], *, as_json: bool) -> None:
+    """Run `one` on each file (a pre-commit hook passes several) and exit with the worst code.
+
+    One file fails as a single command does; with several, a file that cannot be read is
+    reported and the rest are still checked, so one commit shows every problem.
+    """
+    if len(files) > 1 and as_json:
+        raise click.UsageError("--json takes one file; run once per file")
+    if len(files) == 1:
+        sys.exit(one(files[0]))
+    worst = 0
+    for path in files:
+        try:
+            code = one(path)
+        except SurgeryError as e:
+            click.secho(f"error: {e.message}", fg="red", err=True)
+            if e.hint:
+                click.echo(f"  fix: {e.hint}", err=True)
+            code = e.exit_code
+        worst = max(worst, code)
+    sys.exit(worst)
+
+
 @cli.command(epilog=EPILOG)
-@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.argument("manifests", nargs=-1, required=True, type=click.Path(dir_okay=False),
+                metavar="MANIFEST...")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
 @handle_errors
-def check(manifest: str, as_json: bool) -> None:
-    """Validate a manifest file against the schema.
+def check(manifests: tuple[str, ...], as_json: bool) -> None:
+    """Validate manifest files against the schema.
 
     MANIFEST is a .surgery.toml, or an export (.safetensors, *.index.json) that embeds one.
     Errors name the TOML location of the problem (e.g. region[2].paths[0]) and its line.
-    Exit 0 when valid, 3 when not.
+    Exit 0 when all are valid, 3 when one is not.
     """
     from surgery.source import load_manifest_file
 
-    m = load_manifest_file(manifest)
-    paths = sum(len(r.paths) for r in m.regions)
-    if as_json:
-        emit_json({"manifest": manifest, "valid": True, "regions": len(m.regions),
-                   "paths": paths, "fingerprint": m.fingerprint})
-    else:
-        click.echo(f"{manifest}: valid ({len(m.regions)} regions, {paths} compiled callables, "
-                   f"fingerprint {m.fingerprint[:19]}...)")
+    def one(manifest: str) -> int:
+        m = load_manifest_file(manifest)
+        paths = sum(len(r.paths) for r in m.regions)
+        if as_json:
+            emit_json({"manifest": manifest, "valid": True, "regions": len(m.regions),
+                       "paths": paths, "fingerprint": m.fingerprint})
+        else:
+            click.echo(f"{manifest}: valid ({len(m.regions)} regions, {paths} compiled "
+                       f"callables, fingerprint {m.fingerprint[:19]}...)")
+        return 0
+
+    _each(manifests, one, as_json=as_json)
 
 
 # ---- verify / export ---------------------------------------------------------------------------
@@ -385,7 +413,8 @@ def _render_findings(report: Any, *, all_keys: bool) -> None:
 
 
 @cli.command(epilog=EPILOG)
-@click.argument("checkpoint", type=click.Path())
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(),
+                metavar="CHECKPOINT...")
 @click.option("--manifest", metavar="PATH", type=click.Path(dir_okay=False),
               help="Check the manifest's fingerprint and region paths against the checkpoint "
               "(a .surgery.toml, or an export that embeds one).")
@@ -399,27 +428,31 @@ def _render_findings(report: Any, *, all_keys: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report "
               "(schemas/verify-output.schema.json).")
 @handle_errors
-def verify(checkpoint: str, manifest: str | None, deep: bool, key: str | None,
+def verify(checkpoints: tuple[str, ...], manifest: str | None, deep: bool, key: str | None,
            prefix: str | None, all_keys: bool, fmt: str | None, as_json: bool) -> None:
     """Prove CHECKPOINT is prefix-free (a CI gate): exit 0 clean, 1 findings, 3 unreadable.
 
-    CHECKPOINT is a file or a save_pretrained folder. For a .safetensors file it reads the
-    header only, without importing torch.
+    CHECKPOINT is a file or a save_pretrained folder; several are checked one by one (as a
+    pre-commit hook passes them) and the worst exit code wins. For a .safetensors file it reads
+    the header only, without importing torch.
     """
     from surgery.hygiene import verify_checkpoint
 
-    resolved = _resolve(checkpoint, fmt, quiet=as_json)
-    progress = _Progress("scanning")
-    try:
-        report = verify_checkpoint(resolved.path, key=key, prefix=prefix, manifest=manifest,
-                                   deep=deep, progress=progress, kind=resolved.kind)
-    finally:
-        progress.close()
-    if as_json:
-        emit_json(report.to_dict(all_keys=all_keys))
-    else:
-        _render_findings(report, all_keys=all_keys)
-    sys.exit(0 if report.clean else 1)
+    def one(checkpoint: str) -> int:
+        resolved = _resolve(checkpoint, fmt, quiet=as_json)
+        progress = _Progress("scanning")
+        try:
+            report = verify_checkpoint(resolved.path, key=key, prefix=prefix, manifest=manifest,
+                                       deep=deep, progress=progress, kind=resolved.kind)
+        finally:
+            progress.close()
+        if as_json:
+            emit_json(report.to_dict(all_keys=all_keys))
+        else:
+            _render_findings(report, all_keys=all_keys)
+        return 0 if report.clean else 1
+
+    _each(checkpoints, one, as_json=as_json)
 
 
 def _parse_shard_size(ctx: click.Context, param: click.Parameter, value: str | None
