@@ -210,7 +210,7 @@ def _render_coverage(cov: dict[str, Any]) -> None:
               "region path and replays it without entering dynamo, which cuts the host time of "
               "each call several-fold (benchmarks/RESULTS.md; the contract is in "
               "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
-@click.option("--input", "input_spec", metavar="PKG.MOD:STEP",
+@click.option("--input", "input_spec", metavar="PKG.MOD:STEP", callback=_factory_spec,
               help="With --model: plan from evidence. STEP(model) runs one step (e.g. "
               "surgery.examples:stream_step streams one frame); plan runs it --steps times "
               "eagerly, records every module call's signature and time, and makes regions of "
