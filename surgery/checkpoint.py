@@ -10,14 +10,16 @@ entry used is reported.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from surgery.errors import CheckpointError, UnsafeCheckpointError
+from surgery.errors import CheckpointError
+from surgery.pickle_probe import explain_refusal, probe_format
+from surgery.safejson import UntrustedJSONError, load_untrusted_json
+from surgery.st_header import DTYPE_BITS, MAX_HEADER_BYTES, HeaderProblem, Truncated, parse_header
 
 if TYPE_CHECKING:
     from surgery.manifest import Manifest
@@ -44,7 +46,7 @@ _TORCH_TO_ST: dict[str, str] = {
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
     "complex128": "C128",
 }
-_ST_DTYPES = frozenset(_TORCH_TO_ST.values())
+_ST_DTYPES = frozenset(_TORCH_TO_ST.values()) | frozenset(DTYPE_BITS)
 # Bytes per element of each safetensors dtype (to check data_offsets against shapes).
 _ST_ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -63,7 +65,7 @@ META_DROPPED = "surgery.dropped"  # JSON list of keys left out (e.g. EMA `n_aver
 META_VERSION = "surgery.version"
 
 # A header larger than this is not a real safetensors header (the format caps it at 100 MB).
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = MAX_HEADER_BYTES
 
 
 def normalize_dtype(dtype: object) -> str:
@@ -154,8 +156,11 @@ class SafetensorsLayout:
 def read_safetensors_layout(path: str) -> SafetensorsLayout:
     """Parse a safetensors header into shapes, dtypes and absolute byte ranges. No torch import.
 
-    A garbage file reads as an absurd header length; a truncated file can keep an intact header,
-    so the largest data offset is compared with the file size.
+    The header is held to the rules safetensors itself enforces (surgery.st_header): a header
+    it would refuse is refused here too, as one CheckpointError, so nothing is planned, verified
+    or exported from a file that cannot be loaded. A garbage file reads as an absurd header
+    length; a truncated file can keep an intact header, so the tensors' end is compared with
+    the file size.
     """
     size = _require_file(path)
     bad = f"{path}: not a valid safetensors file"
@@ -170,40 +175,41 @@ def read_safetensors_layout(path: str) -> SafetensorsLayout:
                                   "safetensors; re-export it")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{bad} (header is not JSON: {e.__class__.__name__})",
-                              path=path, hint="the file is corrupt; re-export it") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{bad} (header is not a JSON object)", path=path)
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{bad} (__metadata__ is not a JSON object)", path=path)
-    tensors: dict[str, TensorInfo] = {}
-    offsets: dict[str, tuple[int, int]] = {}
-    end = 0
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
-            lo, hi = int(lo), int(hi)
-            ti = TensorInfo(tuple(int(d) for d in shape), normalize_dtype(dtype))
-            expected = ti.numel * _ST_ITEMSIZE.get(ti.dtype, 0)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{bad} (malformed entry for {name!r})", path=path,
-                                  hint="the file is corrupt; re-export it") from None
-        if lo < 0 or hi < lo or (expected and hi - lo != expected):
-            raise CheckpointError(f"{bad} (data_offsets of {name!r} do not match its shape)",
-                                  path=path, hint="the file is corrupt; re-export it")
-        tensors[name] = ti
-        offsets[name] = (8 + n + lo, 8 + n + hi)
-        end = max(end, hi)
-    if 8 + n + end > size:
+        parsed = parse_header(raw, data_size=size - 8 - n)
+    except Truncated as e:
         raise CheckpointError(
-            f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}",
-            path=path, hint="the copy was cut short; copy or export it again")
-    metadata = {str(k): str(v) for k, v in meta.items()}
+            f"{path}: truncated: the header promises {8 + n + e.end} bytes, the file has {size}",
+            path=path, hint="the copy was cut short; copy or export it again") from None
+    except HeaderProblem as e:
+        raise CheckpointError(f"{bad} ({e})", path=path,
+                              hint="safetensors would refuse it too; re-export it from its "
+                              "source") from None
+    tensors = {name: TensorInfo(shape, parsed.dtypes[name])
+               for name, shape in parsed.shapes.items()}
+    offsets = {name: (8 + n + lo, 8 + n + hi) for name, (lo, hi) in parsed.offsets.items()}
+    metadata = dict(parsed.metadata)
     _expand_aliases(path, tensors, offsets, metadata)
     return SafetensorsLayout(tensors, offsets, metadata, 8 + n)
+
+
+def read_aliases(path: str, metadata: Mapping[str, str]) -> dict[str, str]:
+    """The ``surgery.aliases`` metadata of an export: {alias: stored key}, checked as data.
+
+    The text comes from the file, so it is parsed as untrusted JSON (bounded, no duplicates)
+    and must be an object of string -> string.
+    """
+    raw = metadata.get(META_ALIASES)
+    if not raw:
+        return {}
+    try:
+        aliases = load_untrusted_json(raw, max_bytes=_MAX_HEADER, max_depth=2)
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"{path}: metadata {META_ALIASES!r} is not valid: {e}", path=path,
+                              hint="the file is corrupt; re-export it") from None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(f"{path}: metadata {META_ALIASES!r} is not a JSON object of "
+                              "names", path=path, hint="the file is corrupt; re-export it")
+    return aliases
 
 
 def _expand_aliases(path: str, tensors: dict[str, TensorInfo],
@@ -213,16 +219,7 @@ def _expand_aliases(path: str, tensors: dict[str, TensorInfo],
     Without this, a file exported from a model with tied weights would show fewer keys than the
     model's state dict, and its fingerprint would not match the manifest planned for it.
     """
-    raw = metadata.get(META_ALIASES)
-    if not raw:
-        return
-    try:
-        aliases = json.loads(raw)
-        assert isinstance(aliases, dict)
-    except (json.JSONDecodeError, AssertionError):
-        raise CheckpointError(f"{path}: metadata {META_ALIASES!r} is not a JSON object",
-                              path=path, hint="the file is corrupt; re-export it") from None
-    for alias, target in aliases.items():
+    for alias, target in read_aliases(path, metadata).items():
         if target not in tensors:
             raise CheckpointError(f"{path}: alias {alias!r} points at {target!r}, which the file "
                                   "does not hold", path=path, hint="re-export the checkpoint")
@@ -244,14 +241,16 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str,
 def torch_load_safely(path: str) -> Any:
     """``torch.load(weights_only=True)``, with mmap where the format allows it.
 
-    Every failure becomes a CheckpointError; a pickle that needs arbitrary globals becomes an
+    The file's bytes are classified first (surgery.pickle_probe): a file that is neither a zip
+    archive nor a pickle never reaches torch, and a legacy pickle is loaded without mmap. Every
+    failure becomes a CheckpointError; a pickle that names code becomes an
     UnsafeCheckpointError. torch's own message advises turning weights_only off: that advice is
     never passed on, because it would execute the file.
     """
     size = _require_file(path)
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file", path=path,
-                              hint="the file has no data; save or copy the checkpoint again")
+    with open(path, "rb") as f:
+        head = f.read(512)
+    fmt = probe_format(path, head, size)
     import pickle
     import warnings
 
@@ -262,56 +261,34 @@ def torch_load_safely(path: str) -> Any:
             # torch warns about pickle protocols and the like on stderr; the CLI owns stderr.
             warnings.simplefilter("ignore")
             try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(path, map_location="cpu", weights_only=True,
+                                  mmap=fmt == "zip")
             except RuntimeError as e:
-                # A legacy (non-zip) pickle cannot be memory-mapped; it loads without mmap.
+                # Only the zip format can be memory-mapped; should torch disagree about which
+                # format this is, it loads without mmap.
                 if "mmap" not in str(e):
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        msg = str(e)
-        culprit = _unsafe_global(msg)
-        if culprit is not None or ("Weights only load failed" in msg and "GLOBAL" in msg):
-            raise UnsafeCheckpointError(
-                f"{path}: refused: loading it would run code it names ({culprit or 'a global'}); "
-                "surgery never executes a checkpoint",
-                path=path,
-                hint="in the trusted environment that wrote it, re-save only tensors: "
-                "torch.save(model.state_dict(), ...) or safetensors' save_file",
-            ) from None
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(msg)})",
-                              path=path, hint="the file is corrupt or not a checkpoint") from None
-    except (EOFError, RuntimeError, ValueError, OSError, AttributeError, KeyError,
-            IndexError, struct.error, UnicodeDecodeError) as e:
+        raise explain_refusal(path, fmt, str(e)) from None
+    except EOFError:
+        raise CheckpointError(f"{path}: truncated: its pickle ends early", path=path,
+                              hint="the copy was cut short; save or copy it again") from None
+    except (RuntimeError, ValueError, OSError, AttributeError, KeyError, IndexError,
+            TypeError, struct.error, UnicodeDecodeError, OverflowError, MemoryError,
+            RecursionError) as e:
         what = _first_line(str(e)) or e.__class__.__name__
-        if "zip" in what.lower() or isinstance(e, EOFError):
-            what = f"truncated or corrupt archive: {what}"
+        if fmt == "zip" and ("zip" in what.lower() or "central directory" in what):
+            what = f"truncated or corrupt zip archive: {what}"
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({what})", path=path,
                               hint="the file is corrupt, truncated or not a checkpoint; "
                               "save or copy it again") from None
 
 
 def _first_line(msg: str) -> str:
+    """torch's first sentence, one line: its messages run on with advice over several lines."""
     lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
-    # torch's weights_only errors put the cause after a preamble that suggests weights_only=False.
-    for ln in lines:
-        if ln.startswith(("Unsupported", "Unsupported operand", "Trying to")):
-            return ln
-    return lines[0][:200] if lines else ""
-
-
-def _unsafe_global(msg: str) -> str | None:
-    """The global a refused pickle names (e.g. ``posix.system``), from torch's message."""
-    import re
-
-    m = re.search(r"GLOBAL ([\w.]+)", msg)
-    if m:
-        return m.group(1)
-    for ln in msg.splitlines():
-        ln = ln.strip()
-        if "Unsupported operand" in ln or "REDUCE" in ln:
-            return ln[:120]
-    return None
+    return lines[0].split(". ")[0][:200] if lines else ""
 
 
 def _is_tensor(v: object) -> bool:
@@ -420,21 +397,77 @@ def read_checkpoint(path: str, *, key: str | None = None, kind: str | None = Non
     return _read_sharded(path, key=key)
 
 
-def read_index(path: str) -> dict[str, str]:
-    """The ``weight_map`` of a sharded checkpoint's index: key -> shard file (absolute path)."""
-    _require_file(path)
+# An index names one file per key; a real one for a million tensors is ~100 MB. Refuse more.
+_MAX_INDEX_BYTES = 256 * 1024 * 1024
+# {"metadata": {...}, "weight_map": {key: file}}: 2 deep; extra fields get a little room.
+_MAX_INDEX_DEPTH = 8
+_BAD_INDEX_HINT = "an index is JSON with a 'weight_map' of key -> shard file"
+
+
+def _load_index(path: str) -> dict[str, Any]:
+    """An index file's JSON object, read as untrusted input (bounded size and depth)."""
+    size = _require_file(path)
+    if size > _MAX_INDEX_BYTES:
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index ({size} bytes, "
+                              f"more than the {_MAX_INDEX_BYTES} allowed)", path=path,
+                              hint=_BAD_INDEX_HINT)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-        weight_map = index["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AssertionError):
-        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index", path=path,
-                              hint="an index is JSON with a 'weight_map' of key -> shard file"
-                              ) from None
+        with open(path, "rb") as f:
+            index = load_untrusted_json(f.read(), max_bytes=_MAX_INDEX_BYTES,
+                                        max_depth=_MAX_INDEX_DEPTH)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})", path=path) from None
+    except UntrustedJSONError as e:
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index ({e})", path=path,
+                              hint=_BAD_INDEX_HINT) from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index (a JSON "
+                              f"{type(index).__name__}, not an object)", path=path,
+                              hint=_BAD_INDEX_HINT)
+    return index
+
+
+def _shard_path(path: str, base: str, key: str, name: str) -> str:
+    """The shard file `name` as the index at `path` names it, kept inside the index's folder.
+
+    A shard is a plain relative file name below the folder: no absolute path, no `..`, and not
+    another index (an index naming itself, or two naming each other, would loop). Only the
+    name is checked, not where a symlink leads: hub caches link shards into a blobs folder.
+    """
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts \
+            or "\0" in name or (len(name) > 1 and name[1] == ":"):
+        raise CheckpointError(f"{path}: shard {name[:120]!r} of key {key[:80]!r} lies outside "
+                              "the index's folder", path=path,
+                              hint="shard names in an index are file names beside it")
+    if name.endswith(INDEX_SUFFIX):
+        raise CheckpointError(f"{path}: shard {name[:120]!r} is itself an index; an index "
+                              "names shard files, not other indexes", path=path,
+                              hint="point at the index that names the .safetensors/.bin shards")
+    return os.path.join(base, os.path.normpath(name))
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index: key -> shard file (absolute path).
+
+    The index is untrusted: its weight_map must be an object of string -> string, and every
+    shard must be a file inside the index's folder (see `_shard_path`).
+    """
+    weight_map = _load_index(path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index (no 'weight_map' "
+                              "object)", path=path, hint=_BAD_INDEX_HINT)
     base = os.path.dirname(os.path.abspath(path))
-    return {str(k): os.path.join(base, str(v)) for k, v in weight_map.items()}
+    out: dict[str, str] = {}
+    resolved: dict[str, str] = {}
+    for k, v in weight_map.items():
+        if not isinstance(v, str):
+            raise CheckpointError(f"{path}: weight_map[{k[:80]!r}] is a {type(v).__name__}, "
+                                  "not a shard file name", path=path, hint=_BAD_INDEX_HINT)
+        if v not in resolved:
+            resolved[v] = _shard_path(path, base, k, v)
+        out[k] = resolved[v]
+    return out
 
 
 def _read_sharded(path: str, *, key: str | None) -> CheckpointInfo:
@@ -503,14 +536,12 @@ def read_embedded_manifest_text(path: str) -> str | None:
 
 
 def _index_metadata(path: str) -> dict[str, str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f).get("metadata") or {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index", path=path,
-                              hint="an index is JSON with a 'weight_map' of key -> shard file"
-                              ) from None
-    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    """An index's ``metadata`` entries with scalar values, as strings (HF writes integers)."""
+    meta = _load_index(path).get("metadata") or {}
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v if isinstance(v, str) else str(v) for k, v in meta.items()
+            if isinstance(v, (str, int, float, bool))}
 
 
 def load_exported(path: str) -> dict[str, Any]:
@@ -525,7 +556,7 @@ def load_exported(path: str) -> dict[str, Any]:
         else [path]
     out: dict[str, Any] = {}
     for file in files:
-        aliases = json.loads(read_safetensors_layout(file).metadata.get(META_ALIASES, "{}"))
+        aliases = read_aliases(file, read_safetensors_layout(file).metadata)
         tensors = load_file(file)
         for alias, target in aliases.items():
             tensors[alias] = tensors[target]

@@ -1,0 +1,102 @@
+"""JSON from files we did not write: bounded in size and depth, strict in what it accepts.
+
+A safetensors header, a sharded index and the JSON inside safetensors metadata all come from
+checkpoints downloaded from elsewhere. Python's ``json`` module is the wrong judge of them:
+
+- 100k nested brackets raise ``RecursionError`` from deep inside the parser;
+- ``NaN``, ``Infinity`` and ``-Infinity`` are accepted, although they are not JSON;
+- a 5000-digit number raises a bare ``ValueError`` (Python's int-parsing limit);
+- a duplicate key silently keeps the last value, so two readers of one file can disagree
+  about what it says (safetensors' own parser refuses such a header).
+
+`load_untrusted_json` checks the size first, then the nesting depth without recursion (strings
+are blanked out, then innermost bracket pairs are removed one level a pass, all in C regex
+code, so the cost is linear in the size times the small depth limit), and only then parses,
+refusing the constants and duplicate keys on the way. Every refusal is an `UntrustedJSONError`
+whose message is one line; callers wrap it in the SurgeryError that names their file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+# A JSON string: a quote, then runs of plain characters or backslash escapes, then a quote.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
+
+
+class UntrustedJSONError(ValueError):
+    """JSON that is refused before or while parsing; the message is one line."""
+
+
+def check_depth(text: str, *, max_depth: int) -> None:
+    """Refuse `text` if its brackets nest deeper than `max_depth`, without recursing.
+
+    Brackets that do not balance count as too deep; the parser would refuse them anyway.
+    """
+    skeleton = _NOT_BRACKET.sub("", _STRING.sub('""', text))
+    for _ in range(max_depth):
+        if not skeleton:
+            return
+        shorter = _INNERMOST.sub("", skeleton)
+        if shorter == skeleton:
+            break  # nothing left to remove: the brackets do not balance
+        skeleton = shorter
+    if skeleton:
+        raise UntrustedJSONError(f"it nests brackets more than {max_depth} deep, or they do "
+                                 "not balance")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise UntrustedJSONError(f"it holds {name}, which is not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UntrustedJSONError(f"it holds the number {text[:40]}, which is too large")
+    return value
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise UntrustedJSONError(f"key {key[:80]!r} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+def load_untrusted_json(raw: bytes | str, *, max_bytes: int, max_depth: int) -> Any:
+    """Parse JSON from an untrusted file, refusing what a strict reader refuses.
+
+    `max_bytes` and `max_depth` are the caller's limits, chosen far above anything legitimate.
+    """
+    if len(raw) > max_bytes:
+        raise UntrustedJSONError(f"it is {len(raw)} bytes, more than the {max_bytes} allowed")
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UntrustedJSONError(f"it is not UTF-8 (byte {e.start})") from None
+    else:
+        text = raw
+    check_depth(text, max_depth=max_depth)
+    try:
+        return json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant,
+                          parse_float=_float)
+    except UntrustedJSONError:
+        raise
+    except json.JSONDecodeError as e:
+        raise UntrustedJSONError(f"it is not valid JSON ({e.msg} at line {e.lineno} column "
+                                 f"{e.colno})") from None
+    except ValueError:  # Python's limit on the digits of an int (sys.get_int_max_str_digits)
+        raise UntrustedJSONError("it holds a number with too many digits") from None
+    except RecursionError:  # defence in depth: check_depth already bounds the nesting
+        raise UntrustedJSONError("it nests too deeply") from None
