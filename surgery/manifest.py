@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from surgery.errors import ManifestError
+from surgery.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -194,21 +195,27 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
     """
     import jsonschema
 
+    # The long lists (paths, left_out) are checked here in linear time; jsonschema sees a view
+    # with one item of each, since it costs ~100 us an item (surgery.manifest_bulk).
+    problem, view, left_offset = check_bulk(data)
+    if problem is not None:
+        _raise(f"{problem.location}: {problem.message}", path=path, location=problem.location,
+               text=text, hint=problem.hint)
     validator = jsonschema.Draft202012Validator(load_schema())
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+    errors = sorted(validator.iter_errors(view), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         e = jsonschema.exceptions.best_match(errors) or errors[0]
-        loc = format_location(e.absolute_path)
+        parts = list(e.absolute_path)
+        if parts[:1] == ["left_out"] and len(parts) > 1:
+            parts[1] += left_offset  # the view holds one left_out entry: name it as in the file
+        loc = format_location(parts)
         _raise(f"{loc}: {e.message}", path=path, location=loc, text=text,
                more=len(errors) - 1)
-    seen: dict[str, str] = {}
+    dup = duplicate_across_regions(data.get("region", []))
+    if dup is not None:
+        _raise(f"{dup.location}: {dup.message}", path=path, location=dup.location, text=text,
+               hint=dup.hint)
     for i, region in enumerate(data.get("region", [])):
-        for j, p in enumerate(region["paths"]):
-            loc = f"region[{i}].paths[{j}]"
-            if p in seen:
-                _raise(f"{loc}: path {p!r} is already listed at {seen[p]}", path=path,
-                       location=loc, text=text, hint="list each compiled callable once")
-            seen[p] = loc
         comp = {**data.get("compile", {}), **region.get("compile", {})}
         if ("mode" in region.get("compile", {}) and "options" in comp) or \
                 ("options" in region.get("compile", {}) and "mode" in comp):
@@ -266,12 +273,31 @@ def _line_of(text: str, location: str) -> int | None:
 # --- read / write ------------------------------------------------------------------------------
 
 def parse_manifest(text: str, *, path: str | None = None) -> Manifest:
-    """Parse and validate manifest TOML text."""
+    """Parse and validate manifest TOML text.
+
+    The text is untrusted (it may come from a downloaded checkpoint's metadata): it is bounded
+    in size, and what tomllib cannot survive (nesting deep enough to exhaust the recursion
+    limit, an integer past Python's digit limit) becomes a one-line ManifestError.
+    """
+    where = path or "manifest"
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: {len(text)} characters, more than the "
+                            f"{MAX_MANIFEST_BYTES} a manifest may hold", path=path,
+                            hint="a manifest lists module paths; is this the right file?")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ManifestError(f"{path or 'manifest'}: not valid TOML: {e}", path=path,
+        msg = " ".join(str(e).split())  # tomllib puts the location on the same line, keep one
+        raise ManifestError(f"{where}: not valid TOML: {msg}", path=path,
                             hint="fix the TOML syntax at that line") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: not a manifest: its arrays or tables nest too deeply "
+                            "to read", path=path,
+                            hint="a manifest nests at most a few levels; is this the right "
+                            "file?") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python will parse
+        raise ManifestError(f"{where}: not a manifest: {' '.join(str(e).split())[:160]}",
+                            path=path, hint="fix the value, or plan the manifest again") from None
     validate(data, path=path, text=text)
     m = Manifest.from_dict(data)
     m.source_path = path
@@ -283,6 +309,12 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     p = os.fspath(path)
     try:
         with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{p}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                                    "manifest may hold", path=p,
+                                    hint="a manifest lists module paths; is this the right "
+                                    "file?")
             raw = f.read()
     except FileNotFoundError:
         raise ManifestError(f"{p}: no such manifest", path=p,
