@@ -159,7 +159,6 @@ def _unsupported_opcode(message: str) -> str | None:
     if not m:
         return None
     code = int(m.group(1))
-    try:
-        return f"{pickletools.code2op[chr(code)].name} ({code})"
-    except (KeyError, ValueError):
-        return str(code)
+    names = {op.code: op.name for op in pickletools.opcodes}
+    return f"{names[chr(code)]} ({code})" if 0 <= code < 256 and chr(code) in names \
+        else str(code)
