@@ -149,6 +149,18 @@ def test_refused_headers_are_refused_by_safetensors_too(tmp_path) -> None:
             list(f.keys())  # (safetensors' own error type varies by case)
 
 
+def test_depth_is_checked_before_parsing(tmp_path, monkeypatch) -> None:
+    """Nesting is refused by the pre-parse check, not by catching the parser's RecursionError."""
+    import surgery.safejson as safejson
+
+    path = write_st(tmp_path / "m.safetensors", '{"a": ' + "[" * 30 + "]" * 30 + "}")
+    parsed: list[int] = []
+    monkeypatch.setattr(safejson.json, "loads", lambda *a, **k: parsed.append(1))
+    with pytest.raises(CheckpointError, match="more than 16 deep"):
+        read_safetensors_layout(path)
+    assert not parsed
+
+
 @pytest.mark.parametrize(("header", "data", "keys"), [
     pytest.param({"b": T(data_offsets=[4, 8]), "a": T()}, b"\0" * 8, {"a", "b"},
                  id="header-order-differs-from-offset-order"),
@@ -200,16 +212,21 @@ def write_index(path: Path, weight_map: object, **extra: object) -> str:
 
 @pytest.mark.parametrize(("weight_map", "match"), [
     pytest.param({"a": "m.index.json"}, "itself an index", id="names-itself"),
-    pytest.param({"a": "../outside.safetensors"}, "outside", id="dotdot"),
-    pytest.param({"a": "sub/../../outside.safetensors"}, "outside", id="dotdot-inside"),
-    pytest.param({"a": "/etc/passwd.safetensors"}, "outside", id="absolute"),
-    pytest.param({"a": ""}, "outside", id="empty-name"),
+    pytest.param({"a": "../evil.safetensors"}, "lies outside", id="dotdot"),
+    pytest.param({"a": "sub/../../evil.safetensors"}, "lies outside", id="dotdot-inside"),
+    pytest.param({"a": "{abs}"}, "lies outside", id="absolute"),
+    pytest.param({"a": ""}, "lies outside", id="empty-name"),
     pytest.param(["a.safetensors"], "weight_map", id="weight-map-list"),
     pytest.param({"a": 3}, "not a shard file name", id="value-int"),
     pytest.param({"a": ["x.safetensors"]}, "not a shard file name", id="value-list"),
 ])
 def test_index_refusals(tmp_path, weight_map, match) -> None:
-    path = write_index(tmp_path / "m.index.json", weight_map)
+    """The escaping shard exists and is valid: only the name check stops it being read."""
+    evil = write_st(tmp_path / "evil.safetensors", {"a": T()}, ONE)
+    (tmp_path / "idx" / "sub").mkdir(parents=True)
+    if isinstance(weight_map, dict):
+        weight_map = {k: evil if v == "{abs}" else v for k, v in weight_map.items()}
+    path = write_index(tmp_path / "idx" / "m.index.json", weight_map)
     with pytest.raises(CheckpointError) as info:
         read_checkpoint(path)
     assert match in info.value.message
