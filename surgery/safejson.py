@@ -10,8 +10,9 @@ checkpoints downloaded from elsewhere. Python's ``json`` module is the wrong jud
   about what it says (safetensors' own parser refuses such a header).
 
 `load_untrusted_json` checks the size first, then the nesting depth without recursion (strings
-are blanked out, then innermost bracket pairs are removed one level a pass, all in C regex
-code, so the cost is linear in the size times the small depth limit), and only then parses,
+are blanked out, then innermost bracket pairs are removed one level a pass, all in C string
+and regex code, so the cost is linear in the size times the small depth limit), and only then
+parses,
 refusing the constants and duplicate keys on the way. Every refusal is an `UntrustedJSONError`
 whose message is one line; callers wrap it in the SurgeryError that names their file.
 """
@@ -27,6 +28,10 @@ from typing import Any
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _INNERMOST = re.compile(r"\[\]|\{\}")
+# Deletes every ASCII character but the four brackets (str.translate is ~20x faster than a
+# regex here); the few non-ASCII characters left outside strings go through _NOT_BRACKET.
+_DROP_ASCII_NON_BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128)
+                                                         if chr(c) not in "[]{}"))
 
 
 class UntrustedJSONError(ValueError):
@@ -38,7 +43,11 @@ def check_depth(text: str, *, max_depth: int) -> None:
 
     Brackets that do not balance count as too deep; the parser would refuse them anyway.
     """
-    skeleton = _NOT_BRACKET.sub("", _STRING.sub('""', text))
+    if "\\" in text:  # escapes: a quote may sit inside a string, so match strings exactly
+        outside = _STRING.sub('""', text)
+    else:  # no escapes: strings are exactly the odd pieces between quotes (C speed)
+        outside = "".join(text.split('"')[::2])
+    skeleton = _NOT_BRACKET.sub("", outside.translate(_DROP_ASCII_NON_BRACKETS))
     for _ in range(max_depth):
         if not skeleton:
             return

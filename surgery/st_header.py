@@ -148,7 +148,28 @@ def parse_header(raw: bytes, *, data_size: int) -> ParsedHeader:
     dtypes: dict[str, str] = {}
     offsets: dict[str, tuple[int, int]] = {}
     for name, info in header.items():
-        shapes[name], dtypes[name], offsets[name], _ = _entry(name, info)
+        # The common, valid entry is checked inline (a function call per tensor costs more
+        # than the checks); anything unusual goes through _entry, which names the problem.
+        try:
+            dtype, shape, span = info["dtype"], info["shape"], info["data_offsets"]
+            bits = DTYPE_BITS[dtype] if type(dtype) is str else 0
+            n = 1
+            for d in shape:
+                if type(d) is not int or d < 0 or n >= _USIZE_LIMIT:
+                    n = -1  # not a plain valid shape (or overflowing): _entry says which
+                    break
+                n *= d
+            start, end = span
+            ok = (type(info) is dict and bits > 0 and bits % 8 == 0 and 0 <= n < _USIZE_LIMIT
+                  and type(shape) is list and type(span) is list and type(start) is int
+                  and type(end) is int and start >= 0 and end - start == n * bits // 8
+                  and end < _USIZE_LIMIT)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if ok:
+            shapes[name], dtypes[name], offsets[name] = tuple(shape), dtype, (start, end)
+        else:
+            shapes[name], dtypes[name], offsets[name], _ = _entry(name, info)
     end = _check_tiling(offsets, data_size=data_size)
     return ParsedHeader(shapes, dtypes, offsets, metadata, end)
 
