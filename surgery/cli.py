@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,16 +18,21 @@ from typing import Any, TypeVar
 import click
 
 from surgery import __version__
-from surgery.errors import OutputExistsError, SurgeryError
+from surgery.errors import EXIT_CANNOT_RUN, OutputExistsError, SurgeryError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 EPILOG = """\b
 Exit codes:
   0  clean / done
   1  findings (verify found problems)
   2  usage error
-  3  could not run (unreadable or unsafe checkpoint, invalid manifest)
+  3  could not run (unreadable or unsafe checkpoint, invalid manifest, output exists,
+     or an internal error: SURGERY_DEBUG=1 shows its traceback)
+  130 interrupted (Ctrl-C), 143 terminated (SIGTERM): no partial output, temps removed
 """
 
 
@@ -46,24 +52,71 @@ def _fail(err: SurgeryError, *, as_json: bool = False) -> None:
     sys.exit(err.exit_code)
 
 
-def handle_errors(fn: F) -> F:
-    """Map every SurgeryError to its exit code with a one-line message (never a traceback).
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so every ``finally`` runs and temp files are removed."""
 
-    Under --json the error is also printed as JSON on stdout.
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # One-shot: a second SIGTERM must not interrupt the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
+def _crash(err: BaseException, *, as_json: bool = False) -> None:
+    """An exception no library code expected: exit 3 with one line, never exit 1 (findings).
+
+    RecursionError and OverflowError from absurd inputs land here too until the reader that
+    let them through is fixed. SURGERY_DEBUG=1 prints the full traceback for the report.
+    """
+    if os.environ.get("SURGERY_DEBUG", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    text = " ".join(str(err).split())
+    if len(text) > 200:
+        text = text[:197] + "..."
+    message = f"internal error, {type(err).__name__}" + (f": {text}" if text else "")
+    hint = "a bug in surgery: please report it with the output of SURGERY_DEBUG=1 surgery ..."
+    click.secho(f"error: {message} ({hint})", fg="red", err=True)
+    if as_json:
+        emit_json(error_json("internal", message, hint, EXIT_CANNOT_RUN))
+    sys.exit(EXIT_CANNOT_RUN)
+
+
+def handle_errors(fn: F) -> F:
+    """Map every failure to its exit code with a one-line message (never a traceback).
+
+    SurgeryError -> its exit code (3 unless it says otherwise); Ctrl-C -> 130; SIGTERM -> 143,
+    after the same cleanup as Ctrl-C; anything unexpected -> 3. Click's own usage errors pass
+    through to Click (exit 2). Under --json the error is also printed as JSON on stdout.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = bool(kwargs.get("as_json"))
         try:
+            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):  # not the main thread: leave signals alone
+            previous = None
+        try:
             return fn(*args, **kwargs)
         except SurgeryError as e:
             _fail(e, as_json=as_json)
+        except Terminated:
+            click.echo("terminated (SIGTERM); temporary files removed", err=True)
+            sys.exit(EXIT_TERMINATED)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
         except MemoryError:
             _fail(SurgeryError("out of memory"), as_json=as_json)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:  # the catch-all is the point: an accident must not read as 1
+            _crash(e, as_json=as_json)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper  # type: ignore[return-value]
 
@@ -187,7 +240,9 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 @click.option("-o", "--output", metavar="PATH",
               help="Where to write the manifest ('-' for stdout). Default: beside the input, "
               "as NAME.surgery.toml.")
-@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--force", is_flag=True, help="Replace an existing manifest at the output path. "
+              "Without it an existing file is never overwritten, even one that appears while "
+              "planning (exit 3).")
 @click.option("--key", metavar="ENTRY", help="Container entry that holds the state dict "
               "(e.g. state_dict, ema; nested: outer/inner). Default: found automatically.")
 @click.option("--prefix", metavar="PREFIX", help="Plan only keys under this attribute prefix, "
@@ -480,7 +535,9 @@ def _parse_shard_size(ctx: click.Context, param: click.Parameter, value: str | N
               "prefix, without it (e.g. a LightningModule's model.).")
 @click.option("--max-shard-size", callback=_parse_shard_size, metavar="SIZE",
               help="Split into shards of at most SIZE (e.g. 5GB, 500MiB) plus an index.json.")
-@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+@click.option("--force", is_flag=True, help="Replace existing output files (the file, or "
+              "the shards and index). Without it an existing file is never overwritten, even "
+              "one that appears during the export, e.g. from a concurrent run (exit 3).")
 @FORMAT_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result "
               "(schemas/export-output.schema.json).")
@@ -522,6 +579,8 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
         click.echo(f"  left out {k}: {why}")
     if len(result.dropped) > 5:
         click.echo(f"  ... and {len(result.dropped) - 5} more left out")
+    for note in result.recovered:
+        click.secho(f"note: {note}", fg="yellow", err=True)
 
 
 # ---- warm --------------------------------------------------------------------------------------
@@ -558,7 +617,8 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Cast the model first (the manifest's fingerprint includes the dtype).")
 @click.option("-o", "--output", metavar="BUNDLE", help="Where to write the bundle. Default: "
               "beside the manifest, as STEM.surgery.cache.")
-@click.option("--force", is_flag=True, help="Overwrite an existing bundle.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle at the output path. "
+              "Without it an existing file is never overwritten (exit 3).")
 @click.option("--overrides", "overrides", multiple=True, metavar="KEY=VALUE",
               callback=_parse_overrides, help="Compile overrides over every region (e.g. "
               "on_cpu=compile, mode=null). Deployment must pass the same. Repeatable.")

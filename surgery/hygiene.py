@@ -370,6 +370,7 @@ class ExportResult:
     bytes_written: int
     seconds: float
     manifest_sha256: str | None = None
+    recovered: list[str] = field(default_factory=list)  # cleanup after a killed earlier run
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -455,7 +456,7 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
         prefix=prefix, tensors=len(mk.names), stored=len(planned),
         renamed=sum(1 for k, c in mk.names.items() if k != c), aliases=aliases,
         dropped=mk.dropped, fingerprint=fingerprint, bytes_written=written.bytes_written,
-        seconds=time.perf_counter() - started, manifest_sha256=sha)
+        seconds=time.perf_counter() - started, manifest_sha256=sha, recovered=written.recovered)
 
 
 def _refuse_same_file(out: str, inputs: list[str]) -> None:

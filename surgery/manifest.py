@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+# write_text_atomic moved to surgery.atomic; re-exported for the modules that import it here.
+from surgery.atomic import write_text_atomic as write_text_atomic
 from surgery.errors import ManifestError
 from surgery.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
 
@@ -338,27 +340,6 @@ def dumps_manifest(manifest: Manifest) -> str:
     header = ("# surgery manifest: compile regions of one model, bound to its checkpoint by the\n"
               "# fingerprint. Review and diff it like code; `surgery check` validates it.\n")
     return header + tomli_w.dumps(data)
-
-
-def write_text_atomic(path: str, text: str | bytes, *, force: bool = False) -> None:
-    """Write to a temporary file in the same folder, then rename into place."""
-    from surgery.errors import OutputExistsError
-
-    if os.path.exists(path) and not force:
-        raise OutputExistsError(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    data = text.encode("utf-8") if isinstance(text, str) else text
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save_manifest(manifest: Manifest, path: str, *, force: bool = False) -> None:

@@ -8,7 +8,8 @@ naive ``torch.load`` + ``save_file`` (the load, plus the bytes ``save_file`` bui
   from this process (``madvise(MADV_DONTNEED)``) once written, so resident memory stays near the
   largest tensor instead of growing to the file size;
 - the writer computes the whole header from shapes and dtypes first, then appends raw bytes.
-Outputs are written to temporary files in the output folder and renamed into place at the end.
+Outputs are written to fresh temporary files in the output folder and published together at the
+end, or not at all (surgery.atomic).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from surgery.atomic import AtomicGroup, recover, write_all
 from surgery.checkpoint import (
     _ST_ITEMSIZE,
     CheckpointError,
@@ -32,6 +34,7 @@ from surgery.checkpoint import (
     select_state_dict,
     torch_load_safely,
 )
+from surgery.errors import OutputExistsError, SurgeryError
 
 # (bytes done, bytes total): the CLI turns it into a progress bar; library code never prints.
 ProgressFn = Callable[[int, int], None]
@@ -72,18 +75,11 @@ class TensorSource:
 
     def write_to(self, name: str, fd: int, *, advance: Callable[[int], None]) -> None:
         for piece in self.chunks(name):
-            _write_all(fd, piece)
+            write_all(fd, piece)
             advance(len(piece))
 
     def close(self) -> None:
         """Release what the source holds (maps, file descriptors)."""
-
-
-def _write_all(fd: int, data: memoryview | bytes) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 class SafetensorsSource(TensorSource):
@@ -124,7 +120,7 @@ class SafetensorsSource(TensorSource):
             os.lseek(fd, 0, os.SEEK_END)
             rest = self.layout.offsets[name][1] - lo
             for piece in _pread_range(self.fd, lo, rest, self.info.path, name):
-                _write_all(fd, piece)
+                write_all(fd, piece)
                 advance(len(piece))
 
     def close(self) -> None:
@@ -302,6 +298,7 @@ class WriteResult:
     index: str | None
     bytes_written: int
     shards: dict[str, list[str]] = field(default_factory=dict)  # file -> names stored in it
+    recovered: list[str] = field(default_factory=list)  # cleanup after a killed run, one a line
 
 
 def parse_size(text: str) -> int:
@@ -372,21 +369,22 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
                       aliases: Mapping[str, str] | None = None,
                       max_shard_size: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None) -> WriteResult:
-    """Write `tensors` to `out` (or to shards plus an HF-style index), atomically.
+    """Write `tensors` to `out` (or to shards plus an HF-style index), all or nothing.
 
-    Every file is first written to a temporary name in the output folder; only when all are
-    complete are they renamed into place, the index last. On any failure the temporary files
-    are removed, so a failed export leaves nothing behind.
+    Every file is written to a fresh temp file in the output folder (surgery.atomic); only
+    when all are complete are they published, shards first and the index last. If any step
+    fails (a full disk, a signal, a file that appeared meanwhile without `force`), the files
+    published so far are taken back and the temps removed, so the destination is left as it
+    was and a rerun works. What a killed earlier run left for these names is cleaned up first
+    (`surgery.atomic.recover`, reported in `WriteResult.recovered`).
     """
-    from surgery.errors import OutputExistsError
-    from surgery.manifest import write_text_atomic
-
     aliases = dict(aliases or {})
     shards = plan_shards(tensors, max_shard_size)
     files, index = shard_paths(out, len(shards))
+    recovered = recover([*files, *([index] if index else [])])
     if not force:
         for p in [*files, *([index] if index else [])]:
-            if os.path.exists(p):
+            if os.path.lexists(p):
                 raise OutputExistsError(p)
     total = sum(nbytes(t.info) for t in tensors)
     done = 0
@@ -399,22 +397,18 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
 
     if progress is not None:
         progress(0, total)
-    temps: list[str] = []
-    result = WriteResult(files, index, 0)
+    result = WriteResult(files, index, 0, recovered=recovered)
     try:
-        for path, shard in zip(files, shards, strict=True):
-            names = {t.name for t in shard}
-            meta = dict(metadata)
-            local = {a: t for a, t in aliases.items() if t in names}
-            if local:
-                meta["surgery.aliases"] = json.dumps(local, sort_keys=True)
-            head, order = safetensors_header(shard, meta)
-            folder, base = os.path.split(os.path.abspath(path))
-            tmp = os.path.join(folder, f".{base}.{os.getpid()}.tmp")
-            temps.append(tmp)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                _write_all(fd, head)
+        with AtomicGroup(force=force) as group:
+            for path, shard in zip(files, shards, strict=True):
+                names = {t.name for t in shard}
+                meta = dict(metadata)
+                local = {a: t for a, t in aliases.items() if t in names}
+                if local:
+                    meta["surgery.aliases"] = json.dumps(local, sort_keys=True)
+                head, order = safetensors_header(shard, meta)
+                fd = group.create(path)
+                write_all(fd, head)
                 for t in order:
                     t.source.write_to(t.source_name, fd, advance=advance)
                 written = os.lseek(fd, 0, os.SEEK_CUR)
@@ -422,27 +416,18 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
                 if written != expected:
                     raise CheckpointError(f"{path}: wrote {written} bytes, expected {expected}",
                                           path=path, hint="the source changed during export")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            result.shards[path] = [t.name for t in order]
-            result.bytes_written += expected
-        for tmp, path in zip(temps, files, strict=True):
-            os.replace(tmp, path)
-        temps = []
-        if index is not None:
-            weight_map = {name: os.path.basename(f) for f, names in result.shards.items()
-                          for name in names}
-            body = {"metadata": {"total_size": total, **metadata},
-                    "weight_map": dict(sorted(weight_map.items()))}
-            write_text_atomic(index, json.dumps(body, indent=2) + "\n", force=True)
+                result.shards[path] = [t.name for t in order]
+                result.bytes_written += expected
+            if index is not None:
+                weight_map = {name: os.path.basename(f) for f, names in result.shards.items()
+                              for name in names}
+                body = {"metadata": {"total_size": total, **metadata},
+                        "weight_map": dict(sorted(weight_map.items()))}
+                # Created last, so published last: a loader that finds the index finds its
+                # shards.
+                write_all(group.create(index), (json.dumps(body, indent=2) + "\n").encode())
+            group.commit()
     except OSError as e:
-        from surgery.errors import SurgeryError
-
         raise SurgeryError(f"{out}: cannot write the export: {e.strerror or e}",
                            hint="check the folder exists, is writable and has room") from None
-    finally:
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     return result
