@@ -255,8 +255,14 @@ def _publish_replace(it: _Pending) -> None:
         os.link(it.temp, second, src_dir_fd=it.folder, dst_dir_fd=it.folder,
                 follow_symlinks=False)
     except OSError:
-        second, it.temp_gone = it.temp, True
-    os.replace(second, it.name, src_dir_fd=it.folder, dst_dir_fd=it.folder)
+        second = it.temp  # no hard links: rename the temp itself (recover cannot help then)
+    try:
+        os.replace(second, it.name, src_dir_fd=it.folder, dst_dir_fd=it.folder)
+    except BaseException:
+        if second != it.temp:
+            _unlink_quiet(second, it.folder)
+        raise
+    it.temp_gone = second == it.temp
 
 
 def _renameat2_noreplace(it: _Pending) -> bool:
