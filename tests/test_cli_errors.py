@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 import surgery.hygiene
-import surgery.manifest
 import surgery.plan
+import surgery.source
 from surgery.cli import cli
 
 CASES = [
@@ -32,7 +32,7 @@ COMMANDS = [
                  (surgery.hygiene, "export_checkpoint"), id="export"),
     pytest.param(["plan", "{f}", "-o", "{d}/m.surgery.toml"], (surgery.plan, "plan_checkpoint"),
                  id="plan"),
-    pytest.param(["check", "{f}"], (surgery.manifest, "load_manifest"), id="check"),
+    pytest.param(["check", "{f}"], (surgery.source, "load_manifest_file"), id="check"),
 ]
 
 
