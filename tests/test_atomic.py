@@ -349,3 +349,22 @@ def test_recover_only_touches_dead_writers_of_this_destination(tmp_path, monkeyp
     assert [n.split(":")[0] for n in notes] == [str(stale)]
     assert sorted(x.name for x in tmp_path.iterdir()) == sorted(
         x.name for x in (live, other, odd))
+
+
+def test_warm_refuses_to_overwrite_its_own_manifest(tmp_path) -> None:
+    """`surgery warm -o` naming the manifest (or a link to it) is refused even with --force."""
+    from click.testing import CliRunner
+
+    from surgery.cli import cli
+
+    manifest = tmp_path / "tiny.surgery.toml"
+    r = CliRunner().invoke(cli, ["plan", "--model", "surgery.examples:tiny", "-o", str(manifest)])
+    assert r.exit_code == 0, r.output
+    before = manifest.read_bytes()
+    (tmp_path / "alias.toml").symlink_to(manifest)
+    for out in (manifest, tmp_path / "alias.toml"):
+        r = CliRunner().invoke(cli, ["warm", "--model", "surgery.examples:tiny", "--manifest",
+                                     str(manifest), "--input", "surgery.examples:example_input",
+                                     "--device", "cpu", "-o", str(out), "--force"])
+        assert r.exit_code == 3 and "is the manifest being warmed" in r.stderr, r.output
+    assert manifest.read_bytes() == before
