@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from surgery.cache import SavedBundle, default_bundle_path
-from surgery.errors import CacheBundleError, OutputExistsError
+from surgery.errors import CacheBundleError, OutputExistsError, SurgeryError
 
 
 @dataclass
@@ -20,6 +20,14 @@ class WarmResult:
     bundle: SavedBundle
     report: Any  # the ApplyReport of the warm-up
     seconds: float  # apply + warm-up
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether `a` and `b` name one file (through symlinks and hard links too)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _call_with(model: Any, example: Any) -> Any:
@@ -46,6 +54,10 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
 
     m = resolve_manifest(manifest)
     target = out or default_bundle_path(m.source_path or manifest)
+    if _same_file(target, manifest):
+        raise SurgeryError(f"output {target!r} is the manifest being warmed",
+                           hint="write the bundle elsewhere with -o (default: beside the "
+                                "manifest, as STEM.surgery.cache); inputs are never modified")
     if os.path.exists(target) and not force:
         raise OutputExistsError(target)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
