@@ -205,3 +205,22 @@ def test_sigterm_removes_temps_and_exits_143(tmp_path) -> None:
     err = p.stderr.read() if p.stderr else ""
     assert "terminated (SIGTERM)" in err and "Traceback" not in err
     assert os.listdir(out) == []
+
+
+def test_two_concurrent_cli_exports_one_succeeds_one_exit_3(tmp_path) -> None:
+    """Two real processes export to one destination at once: one writes it, the other exits
+    3 with "already exists" (refused at its start or at its publish), and nothing else is
+    left in the folder."""
+    srcs = [make_source(tmp_path, seed=s, n=8, size=16_384) for s in (6, 7)]
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = str(out / "model.safetensors")
+    env = {"SLOW_TENSOR": "0.02"}
+    procs = [export(tmp_path, s, "-o", dest, "--max-shard-size", "140KB", env=env)
+             for s in srcs]
+    codes = [p.wait(120) for p in procs]
+    assert sorted(codes) == [0, 3], codes
+    loser = procs[codes.index(3)]
+    assert "already exists" in (loser.stderr.read() if loser.stderr else "")
+    assert ours(out) == []
+    assert_complete(out, (6, 7)[codes.index(0)], sharded=True)

@@ -145,7 +145,9 @@ def test_write_read_roundtrip_is_atomic(project) -> None:
     meta, blob = cache.read_bundle(path)
     assert blob == b"x" * 1000 and meta["blob"]["bytes"] == 1000
     assert meta["env"]["device"] == "cpu" and meta["overrides"] == AOT
-    assert [p.name for p in project.iterdir() if p.name.endswith(".tmp")] == []
+    from surgery.atomic import TEMP_MARK
+
+    assert [p.name for p in project.iterdir() if TEMP_MARK in p.name] == []
 
 
 @pytest.mark.parametrize(("damage", "message"), [
