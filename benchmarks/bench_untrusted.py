@@ -52,12 +52,16 @@ secs = time.perf_counter() - t
 # VmHWM is this process's own peak (ru_maxrss would carry the forking parent's over exec).
 hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).split()[1]
 print(secs, n, int(hwm) / 1024)
+print(sys.modules["surgery"].__file__, file=sys.stderr)
 """
 
 
 def child(kind: str, path: str) -> tuple[float, int, float]:
+    # cwd is the temp folder: `python -c` puts the cwd first on sys.path, which would import
+    # whatever `surgery` sits there instead of the tree PYTHONPATH names.
     out = subprocess.run([sys.executable, "-c", CHILD, kind, path], check=True,
-                         capture_output=True, text=True).stdout.split()
+                         capture_output=True, text=True, cwd=os.path.dirname(path)
+                         ).stdout.split()
     return float(out[0]), int(out[1]), float(out[2])
 
 

@@ -184,9 +184,9 @@ def read_safetensors_layout(path: str) -> SafetensorsLayout:
         raise CheckpointError(f"{bad} ({e})", path=path,
                               hint="safetensors would refuse it too; re-export it from its "
                               "source") from None
-    tensors = {name: TensorInfo(shape, parsed.dtypes[name])
-               for name, shape in parsed.shapes.items()}
-    offsets = {name: (8 + n + lo, 8 + n + hi) for name, (lo, hi) in parsed.offsets.items()}
+    base = 8 + n
+    tensors = {name: TensorInfo(shape, dtype) for _, _, name, shape, dtype in parsed.entries}
+    offsets = {name: (base + lo, base + hi) for lo, hi, name, _, _ in parsed.entries}
     metadata = dict(parsed.metadata)
     _expand_aliases(path, tensors, offsets, metadata)
     return SafetensorsLayout(tensors, offsets, metadata, 8 + n)

@@ -13,7 +13,8 @@ checkpoints downloaded from elsewhere. Python's ``json`` module is the wrong jud
 are blanked out, then innermost bracket pairs are removed one level a pass, all in C string
 and regex code, so the cost is linear in the size times the small depth limit), and only then
 parses,
-refusing the constants and duplicate keys on the way. Every refusal is an `UntrustedJSONError`
+refusing the constants on the way and counting object members against the colons written
+to find duplicate keys. Every refusal is an `UntrustedJSONError`
 whose message is one line; callers wrap it in the SurgeryError that names their file.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 # A JSON string: a quote, then runs of plain characters or backslash escapes, then a quote.
@@ -38,15 +40,21 @@ class UntrustedJSONError(ValueError):
     """JSON that is refused before or while parsing; the message is one line."""
 
 
-def check_depth(text: str, *, max_depth: int) -> None:
+def _outside_strings(text: str) -> str:
+    """`text` with every string's contents removed, so only JSON's own punctuation is left."""
+    if "\\" in text:  # escapes: a quote may sit inside a string, so match strings exactly
+        return _STRING.sub('""', text)
+    return "".join(text.split('"')[::2])  # no escapes: strings are the odd pieces (C speed)
+
+
+def check_depth(text: str, *, max_depth: int, outside: str | None = None) -> None:
     """Refuse `text` if its brackets nest deeper than `max_depth`, without recursing.
 
     Brackets that do not balance count as too deep; the parser would refuse them anyway.
+    `outside` is `_outside_strings(text)` when the caller has it already.
     """
-    if "\\" in text:  # escapes: a quote may sit inside a string, so match strings exactly
-        outside = _STRING.sub('""', text)
-    else:  # no escapes: strings are exactly the odd pieces between quotes (C speed)
-        outside = "".join(text.split('"')[::2])
+    if outside is None:
+        outside = _outside_strings(text)
     skeleton = _NOT_BRACKET.sub("", outside.translate(_DROP_ASCII_NON_BRACKETS))
     for _ in range(max_depth):
         if not skeleton:
@@ -58,6 +66,21 @@ def check_depth(text: str, *, max_depth: int) -> None:
     if skeleton:
         raise UntrustedJSONError(f"it nests brackets more than {max_depth} deep, or they do "
                                  "not balance")
+
+
+def _count_keys(obj: Any) -> int:
+    """Members of every object in a parsed document (its depth is already bounded)."""
+    items: Iterable[Any]
+    if type(obj) is dict:
+        n, items = len(obj), obj.values()
+    elif type(obj) is list:
+        n, items = 0, obj
+    else:
+        return 0
+    for v in items:
+        if type(v) is dict or type(v) is list:
+            n += _count_keys(v)
+    return n
 
 
 def _refuse_constant(name: str) -> Any:
@@ -96,10 +119,19 @@ def load_untrusted_json(raw: bytes | str, *, max_bytes: int, max_depth: int) -> 
             raise UntrustedJSONError(f"it is not UTF-8 (byte {e.start})") from None
     else:
         text = raw
-    check_depth(text, max_depth=max_depth)
+    outside = _outside_strings(text)
+    check_depth(text, max_depth=max_depth, outside=outside)
     try:
-        return json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant,
-                          parse_float=_float)
+        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_float)
+        # Each member of an object has exactly one ':' outside strings. Fewer members parsed
+        # than colons written means a key appeared twice and json kept only its last value.
+        # (Counting is ~10x cheaper than an object_pairs_hook on every object; the hook runs
+        # only to name the duplicate.)
+        if _count_keys(doc) != outside.count(":"):
+            json.loads(text, object_pairs_hook=_object, parse_constant=_refuse_constant,
+                       parse_float=_float)
+            raise UntrustedJSONError("a key appears twice in one object")
+        return doc
     except UntrustedJSONError:
         raise
     except json.JSONDecodeError as e:

@@ -50,9 +50,7 @@ class HeaderProblem(ValueError):
 class ParsedHeader:
     """A header that passed every rule. Offsets are relative to the data region."""
 
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
-    offsets: dict[str, tuple[int, int]]
+    entries: list[tuple[int, int, str, tuple[int, ...], str]]  # (start, end, name, shape, dtype)
     metadata: dict[str, str]
     data_end: int  # where the last tensor ends, relative to the data region
 
@@ -144,9 +142,7 @@ def parse_header(raw: bytes, *, data_size: int) -> ParsedHeader:
     if not isinstance(header, dict):
         raise HeaderProblem(f"header is a JSON {type(header).__name__}, not an object")
     metadata = _metadata(header.pop(METADATA_KEY, None))
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
-    offsets: dict[str, tuple[int, int]] = {}
+    entries: list[tuple[int, int, str, tuple[int, ...], str]] = []
     for name, info in header.items():
         # The common, valid entry is checked inline (a function call per tensor costs more
         # than the checks); anything unusual goes through _entry, which names the problem.
@@ -167,17 +163,20 @@ def parse_header(raw: bytes, *, data_size: int) -> ParsedHeader:
         except (KeyError, TypeError, ValueError):
             ok = False
         if ok:
-            shapes[name], dtypes[name], offsets[name] = tuple(shape), dtype, (start, end)
+            entries.append((start, end, name, tuple(shape), dtype))
         else:
-            shapes[name], dtypes[name], offsets[name], _ = _entry(name, info)
-    end = _check_tiling(offsets, data_size=data_size)
-    return ParsedHeader(shapes, dtypes, offsets, metadata, end)
+            shape_t, dtype, (start, end), _ = _entry(name, info)
+            entries.append((start, end, name, shape_t, dtype))
+    entries.sort()  # by offset (a name breaks ties between zero-size tensors)
+    end = _check_tiling(entries, data_size=data_size)
+    return ParsedHeader(entries, metadata, end)
 
 
-def _check_tiling(offsets: dict[str, tuple[int, int]], *, data_size: int) -> int:
+def _check_tiling(entries: list[tuple[int, int, str, tuple[int, ...], str]], *,
+                  data_size: int) -> int:
     """Sorted by offset, each tensor starts where the previous ended; the last ends the file."""
     end = 0
-    for name, (start, stop) in sorted(offsets.items(), key=lambda kv: kv[1]):
+    for start, stop, name, _, _ in entries:
         if start != end:
             what = "overlaps the tensor before it" if start < end else \
                 f"leaves a gap of {start - end} bytes before it"
