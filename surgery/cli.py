@@ -314,6 +314,9 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
                                  "write the manifest to a file", param_hint="-o")
     if input_spec is not None and model_spec is None:
         raise click.UsageError("--input drives a live model: give --model PKG.MOD:FACTORY too")
+    if input_spec is not None and fold:
+        raise click.UsageError("--fold does nothing with --input: evidence regions are already "
+                               "the largest subtrees that keep one shape; drop --fold")
     kind = None
     if source is not None:
         resolved = _resolve(source, fmt, quiet=as_json)

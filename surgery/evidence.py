@@ -5,10 +5,11 @@ The rule, and why:
 - A **region** is a maximal module subtree whose calls are one function of their signature, and
   which is worth a graph. It is *fixed* when (1) it changed no Python state (a graph replay runs
   no Python, so a KV cache appended to in ``forward`` would stop growing), (2) the same signature
-  always ran the same ops on the same shapes inside (else it hides state), (3) it was called
-  under one autocast/grad state (a captured graph replays one), and (4) the paths sharing its
-  compiled callable show at most ``RECOMPILE_BUDGET`` signatures together (each is a compile
-  and a graph). It is *worth* a graph when it runs more than one op a call and, where timed,
+  always ran the same ops on the same shapes inside (else it hides state), both judged on the
+  steps after the first (state built once, such as a lazy table, changes only in the first),
+  (3) it was called under one autocast/grad state (a captured graph replays one), and (4) the
+  paths sharing its compiled callable show at most ``RECOMPILE_BUDGET`` signatures together
+  (each is a compile and a graph). It is *worth* a graph when it runs more than one op a call and, where timed,
   holds at least ``MIN_SHARE`` of the step (a graph replay costs about what one launch costs).
 - A subtree that is not fixed is **descended into**: its fixed children become regions, and it
   goes under ``[[left_out]]`` with the evidence ("`global_idx` took 24 values").
@@ -153,10 +154,13 @@ def _leaves(d: Any) -> int:
 def judge(path: str, calls: list[Call], all_calls: list[Call]) -> Verdict:
     """Whether ``path``'s calls are fixed (see the module docstring), with the evidence."""
     v = Verdict(path, calls)
-    mutated = Counter(m for c in calls for m in c.mutated)
+    # State set up on the first step only (a lazily built RoPE table) is not streaming state:
+    # the first call runs compiled, uncaptured, and applies it. Judge state from the steps after.
+    steady = [c for c in calls if c.step > 0] or calls
+    mutated = Counter(m for c in steady for m in c.mutated)
     for what, n in mutated.most_common(2):
         kind, _, name = what.partition(" ")
-        v.reasons.append(f"changed its {kind} {_quote(name)} in {n} of {len(calls)} calls "
+        v.reasons.append(f"changed its {kind} {_quote(name)} in {n} of {len(steady)} calls "
                          "(Python state a graph replay would not update)")
     contexts = list(dict.fromkeys(c.sig.context for c in calls))
     if len(contexts) > 1:
@@ -164,14 +168,14 @@ def judge(path: str, calls: list[Call], all_calls: list[Call]) -> Verdict:
                             for c in contexts[:3])
         v.reasons.append(f"called under {len(contexts)} autocast/grad states: {said}")
     first: dict[Signature, Call] = {}
-    for c in calls:
+    for c in steady:
         f = first.setdefault(c.sig, c)
         if f.inner != c.inner:
             v.reasons.append("with the same arguments, what ran inside changed (state kept "
                              f"between calls, such as a KV cache): "
                              f"{_inner_evidence(f, c, all_calls)}")
             break
-    n_sigs = len(first)
+    n_sigs = len({c.sig for c in calls})
     if n_sigs > RECOMPILE_BUDGET:
         why = "; ".join(_arg_evidence(calls)) or "signatures differ"
         v.reasons.append(f"{n_sigs} signatures, beyond the recompile budget of "
@@ -330,5 +334,7 @@ def coverage(obs: Observation, regions: Sequence[str]) -> dict[str, Any]:
     }
     if obs.bare_step_ms and obs.hooked_step_ms:
         out["hook_overhead_ms"] = round(max(0.0, obs.hooked_step_ms - obs.bare_step_ms), 4)
+    if obs.watched_step_ms:
+        out["watched_step_ms"] = round(obs.watched_step_ms, 4)
     out["remainder"] = remainders
     return out

@@ -80,6 +80,7 @@ class Observation:
     clock: str = ""  # "cuda-events" | "perf_counter" | "injected" | "" (not timed)
     bare_step_ms: float = 0.0  # a step without hooks, for the hooks' overhead
     hooked_step_ms: float = 0.0  # a step with the timing hooks
+    watched_step_ms: float = 0.0  # a step while watched (hooks and the function mode)
     timed_calls: list[tuple[str, int, float]] = field(default_factory=list)  # path, parent, ms
 
     def by_path(self) -> dict[str, list[Call]]:
@@ -372,15 +373,17 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
         mod_path, _, name = mp.rpartition(".")
         fn = getattr(type(model.get_submodule(mod_path)), name)
         obs.callables[mp] = f"{fn.__module__}.{fn.__qualname__}"
+    clock_fn = clock or time.perf_counter
+    t0 = clock_fn()
     with _Watcher(model, methods=methods) as w, _Recorder(w):
         for i in range(steps):
             w.step = i
             run()
+    _sync(cuda)
+    obs.watched_step_ms = (clock_fn() - t0) * 1e3 / steps
     obs.calls = w.calls
     if timed_steps <= 0:
         return obs
-    clock_fn = clock or time.perf_counter
-    _sync(cuda)
     t0 = clock_fn()
     run()  # a bare step: the hooks' overhead is the difference
     _sync(cuda)

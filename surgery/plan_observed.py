@@ -122,9 +122,11 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
                            extra: dict[str, Any] | None = None) -> Manifest:
     """Choose regions from the evidence and write them, with their evidence, as a manifest."""
     choice = choose_regions(w.obs, methods=w.methods, include=include, exclude=exclude)
-    if notes is not None and choice.coverage.get("hook_overhead_ms") is not None:
-        notes.append(f"timing hooks added {choice.coverage['hook_overhead_ms']:.2f} ms to a "
-                     f"{choice.coverage['step_ms']:.2f} ms step")
+    cov = choice.coverage
+    if notes is not None and cov.get("hook_overhead_ms") is not None:
+        notes.append(f"the timing hooks added {cov['hook_overhead_ms']:.2f} ms to a step "
+                     f"(coverage shares are of the timed {cov['step_ms']:.2f} ms); a watched "
+                     f"step (signatures and ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
     kinds = {c.path: c.kind for c in w.names.regions}
     manifest = _manifest(w.view, w.tensors, w.obs, choice, kinds=kinds, source=source,
                          compile=compile, extra=extra or {})

@@ -71,6 +71,12 @@ def test_input_without_model_is_a_usage_error() -> None:
     assert "--input drives a live model" in res.output
 
 
+def test_fold_with_input_is_a_usage_error() -> None:
+    res = CliRunner().invoke(cli, ["plan", "--model", SDPA, "--input", STEP, "--fold"])
+    assert res.exit_code == 2
+    assert "--fold does nothing with --input" in res.output
+
+
 def test_bad_input_is_one_line_exit_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
     res = CliRunner().invoke(cli, ["plan", "--model", "surgery.examples:tiny", "--input",
                                    "surgery.examples:no_such", "-o", str(tmp_path / "m.toml")])
