@@ -130,6 +130,8 @@ def _inner_evidence(a: Call, b: Call, calls: list[Call]) -> str:
 def _shape(x: Any) -> str:
     if isinstance(x, tuple) and x[:1] == ("list",):
         items = x[1]
+        if 1 < len(items) <= 3:
+            return "+".join(_shape(i) for i in items)
         return f"{len(items)} tensors" if len(items) != 1 else "1 tensor"
     if isinstance(x, tuple):
         return "[" + ",".join(map(str, x)) + "]"
