@@ -9,8 +9,9 @@ The rule, and why:
   steps after the first (state built once, such as a lazy table, changes only in the first),
   (3) it was called under one autocast/grad state (a captured graph replays one), and (4) the
   paths sharing its compiled callable show at most ``RECOMPILE_BUDGET`` signatures together
-  (each is a compile and a graph). It is *worth* a graph when it runs more than one op a call and, where timed,
-  holds at least ``MIN_SHARE`` of the step (a graph replay costs about what one launch costs).
+  (each is a compile and a graph). It is *worth* a graph when it runs more than one op a call
+  and, where timed, holds at least ``MIN_SHARE`` of the step (a graph replay costs about what one
+  launch costs).
 - A subtree that is not fixed is **descended into**: its fixed children become regions, and it
   goes under ``[[left_out]]`` with the evidence ("`global_idx` took 24 values").
 - **Method regions** (``attn_pre``, ``ffn_residual``, ``--include path.method``) come from names;

@@ -158,3 +158,20 @@ def test_apply_warns_once_on_a_signature_the_plan_never_saw() -> None:
                 outer(torch.randn(7, 4))  # once per path
     finally:
         handle.restore()
+
+
+def test_plan_input_json_follows_the_plan_output_schema(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    res = CliRunner().invoke(cli, ["plan", "--model", "surgery.examples:tiny", "--input", STEP,
+                                   "--steps", "2", "-o", str(tmp_path / "t.toml"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    schema = json.loads((Path(__file__).parents[1] / "schemas" /
+                         "plan-output.schema.json").read_text())
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+    assert 0 < doc["coverage"]["covered_share"] <= 1
+    assert doc["coverage"]["steps"] == 2
