@@ -248,7 +248,8 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 @click.option("--prefix", metavar="PREFIX", help="Plan only keys under this attribute prefix, "
               "with it stripped (e.g. 'model.' for a LightningModule's inner model).")
 @click.option("--include", multiple=True, metavar="GLOB",
-              help="Make matching module paths regions; they win over found ones. Repeatable.")
+              help="Make matching module paths regions; they win over found ones. Repeatable. "
+              "With --input, GLOB:method makes a method of the matching modules a region.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Drop regions whose path matches. Repeatable.")
 @click.option("--backend", metavar="NAME", help="Compile backend for every region "

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from surgery.errors import ModelSourceError
+from surgery.errors import ModelSourceError, RegionError
 from surgery.evidence import OBSERVED, RECOMPILE_BUDGET, choose_regions
 from surgery.manifest import (
     DEFAULT_COMPILE,
@@ -101,6 +101,7 @@ class Watched:
     names: Any  # regions.Found: the names-only plan, for kinds and comparison
     methods: list[str]
     obs: Observation
+    forced: list[str]  # method paths named by --include GLOB:method
 
 
 def watch_model(model: Any, step: Callable[..., Any], *, steps: int, timed_steps: int = 3,
@@ -108,12 +109,41 @@ def watch_model(model: Any, step: Callable[..., Any], *, steps: int, timed_steps
                 autocast: Any = None) -> Watched:
     """Run ``step`` on the model watched (surgery.observe), with every named method wrapped."""
     view, tensors = view_from_module(model)
-    names = find_regions(view, include=include)  # validates --include globs, names the kinds
-    methods = sorted({f"{p}.{m}" for p, node in view.modules.items() for m in node.methods},
-                     key=natural_key)
+    plain, forced = method_includes(model, include)
+    names = find_regions(view, include=plain)  # validates --include globs, names the kinds
+    methods = sorted({f"{p}.{m}" for p, node in view.modules.items() for m in node.methods}
+                     | set(forced), key=natural_key)
     obs = observe(model, step, steps=steps, timed_steps=timed_steps, methods=methods,
                   clock=clock, autocast=autocast)
-    return Watched(model, view, tensors, names, methods, obs)
+    return Watched(model, view, tensors, names, methods, obs, forced)
+
+
+def method_includes(model: Any, include: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``--include`` into module globs and ``GLOB:method`` method paths.
+
+    ``GLOB:method`` names any method that the classes of the modules GLOB matches define (not only
+    ``attn_pre``/``ffn_residual``): a fixed-shape part of a forward that a run can vouch for. One
+    that matches nothing is an error, since a silent no-op is how regions go missing.
+    """
+    import fnmatch
+
+    import torch
+
+    plain, forced = [], []
+    for g in include:
+        if ":" not in g:
+            plain.append(g)
+            continue
+        glob, _, name = g.rpartition(":")
+        hits = [p for p, m in model.named_modules() if p and fnmatch.fnmatchcase(p, glob)
+                and callable(getattr(type(m), name, None))
+                and not isinstance(getattr(m, name), torch.nn.Module)]
+        if not hits:
+            raise RegionError(f"--include {g!r}: no module matching {glob!r} has a method "
+                              f"{name!r}", region=g, hint="name a method its class defines, "
+                              "e.g. --include 'aggregator.global_blocks.*.attn:qkv_heads'")
+        forced += [f"{p}.{name}" for p in hits]
+    return plain, forced
 
 
 def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = (),
@@ -121,6 +151,7 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
                            notes: list[str] | None = None,
                            extra: dict[str, Any] | None = None) -> Manifest:
     """Choose regions from the evidence and write them, with their evidence, as a manifest."""
+    include = [g for g in include if ":" not in g] + w.forced
     choice = choose_regions(w.obs, methods=w.methods, include=include, exclude=exclude)
     cov = choice.coverage
     if notes is not None and cov.get("hook_overhead_ms") is not None:

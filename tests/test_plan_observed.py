@@ -175,3 +175,29 @@ def test_plan_input_json_follows_the_plan_output_schema(tmp_path) -> None:  # ty
     jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
     assert 0 < doc["coverage"]["covered_share"] <= 1
     assert doc["coverage"]["steps"] == 2
+
+
+def test_include_glob_colon_method_makes_any_method_a_region() -> None:
+    from surgery.examples import stream_step, tiny_sdpa
+    from surgery.plan_observed import manifest_from_evidence, watch_model
+
+    inc = ["aggregator.global_blocks.*.attn:qkv_heads"]
+    w = watch_model(tiny_sdpa().eval(), stream_step, steps=3, timed_steps=0, include=inc)
+    m = manifest_from_evidence(w, source="t", include=inc)
+    regions = {p: r for r in m.regions for p in r.paths}
+    qkv = regions["aggregator.global_blocks.1.attn.qkv_heads"]
+    assert qkv.callable == "method" and qkv.kind == "qkv_heads"
+    assert qkv.evidence is not None and len(qkv.evidence["signatures"]) == 1
+    # The shared RoPE now runs only inside regions (frame blocks, qkv_heads): not a region.
+    left = {lo.path: lo.reason for lo in m.left_out}
+    assert "aggregator.rope" not in regions
+    assert left["aggregator.rope"].startswith("runs only inside region ")
+
+
+def test_include_colon_method_that_matches_nothing_is_an_error() -> None:
+    from surgery.errors import RegionError
+    from surgery.examples import stream_step, tiny_sdpa
+    from surgery.plan_observed import watch_model
+
+    with pytest.raises(RegionError, match="has a method 'nope'"):
+        watch_model(tiny_sdpa(), stream_step, steps=1, include=["aggregator.*:nope"])
