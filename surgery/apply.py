@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from surgery.budget import parameter_names
 from surgery.cache import CacheRecord, SavedBundle, cache_counters, default_bundle_path, load_bundle
 from surgery.capture import Capturer, CudaCapturer
 from surgery.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
@@ -47,7 +48,6 @@ from surgery.resolve import (
 )
 from surgery.signatures import signature_check
 from surgery.slots import (
-    _CountingBackend,
     _Group,
     _HandleState,
     _make_wrapper,
@@ -295,11 +295,14 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
                                    plan.dynamic], sort_keys=True, default=str))
     group = groups.get(key)
     if group is None:
-        backend = _CountingBackend(plan.backend, plan.config_patches)
-        compiled = torch.compile(target, backend=backend, fullgraph=plan.fullgraph,
-                                 dynamic=plan.dynamic)
-        group = groups[key] = _Group(compiled, backend, bound)
-    slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state)
+        group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
+                                            config_patches=plan.config_patches,
+                                            fullgraph=plan.fullgraph, dynamic=plan.dynamic)
+    slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,
+                 budget=plan.max_signatures, names=parameter_names(eager))
+    if plan.dynamic is True:  # already dynamic: its budget counts compiles, not shapes
+        slot.dyn = group
+        rec.signature_mode = "dynamic"
     if plan.capture_region:
         slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from surgery.budget import DEFAULT_MAX_SIGNATURES
 from surgery.errors import RegionError
 from surgery.manifest import Manifest, Region
 from surgery.resolve import closest_name
@@ -21,7 +22,7 @@ from surgery.resolve import closest_name
 # The compile keys a manifest (or an override) may set; anything else is a typo.
 COMPILE_KEYS: frozenset[str] = frozenset({
     "backend", "mode", "fullgraph", "dynamic", "options", "emulate_precision_casts",
-    "clone_outputs", "on_cpu", "capture",
+    "clone_outputs", "on_cpu", "capture", "max_signatures",
 })
 # Who captures CUDA graphs: the compiler (cudagraph trees under mode="reduce-overhead", or the
 # cudagraphs backend), or surgery itself, one graph per region path (see surgery.graphs).
@@ -49,6 +50,7 @@ class CompilePlan:
     clone_risk: bool = False  # planned for region capture, run under the compiler's graphs
     eager_reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    max_signatures: int = DEFAULT_MAX_SIGNATURES  # per path, before a demotion (surgery.budget)
 
 
 def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, Any] | None,
@@ -100,6 +102,12 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
             "which torch.compile refuses", region=region.kind,
             hint="keep one: mode='reduce-overhead' is options={'triton.cudagraphs': True}; "
                  "an override of {'mode': None} removes an inherited mode")
+    budget = opts.get("max_signatures", DEFAULT_MAX_SIGNATURES)
+    if type(budget) is not int or not 1 <= budget <= 64:
+        raise RegionError(f"region {region.kind!r}: max_signatures={budget!r} is not an integer "
+                          "from 1 to 64", region=region.kind,
+                          hint=f"use a small integer (default {DEFAULT_MAX_SIGNATURES}): the "
+                               "distinct call signatures a path compiles before it is demoted")
     capture = str(opts.get("capture", "compiler"))
     if capture not in CAPTURES:
         raise RegionError(f"region {region.kind!r}: capture={capture!r} is not one of "
@@ -187,7 +195,7 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
                  cuda_graphs=cuda_graphs,
                  clone_outputs=clone, clone_risk=clone_risk,
                  capture_region=cuda_graphs and capture == "region" and on_cuda,
-                 eager_reason=eager_reason, notes=notes)
+                 eager_reason=eager_reason, notes=notes, max_signatures=budget)
 
 
 def _check_inductor_options(patches: Mapping[str, Any], region: Region) -> None:

@@ -59,6 +59,10 @@ class RegionRecord:
     graph_replays: int = 0  # calls answered by replaying one of them
     output_sets: int = 0  # the ring of output buffers it needed (>1: outputs kept across calls)
     capture_s: float = 0.0  # time spent capturing its graphs
+    signatures: int = 0  # distinct static call signatures (shapes, int values, modes) it saw
+    signature_mode: str = "static"  # "static", "dynamic" (over budget: new ones dynamic), "eager"
+    recompile_reasons: list[str] = field(default_factory=list)  # what differed, per compile
+    fix: str = ""  # how to avoid its recompiles (from the kind of difference)
     notes: list[str] = field(default_factory=list)
 
 
@@ -110,7 +114,13 @@ class ApplyReport(Sequence[RegionRecord]):
                          f"graphs_run={r.graphs_run} recompiles={r.recompiles}"
                          + (f" captured={r.graphs_captured} replays={r.graph_replays}"
                             f" output_sets={r.output_sets}" if r.graphs_captured else "")
+                         + (f" sigs={r.signatures}" if r.signatures else "")
+                         + (f" [{r.signature_mode}]" if r.signature_mode == "dynamic" else "")
                          + why)
+            if r.recompile_reasons:
+                lines.append(f"           recompiled for: {' | '.join(r.recompile_reasons)}")
+            if r.fix:
+                lines.append(f"           fix: {r.fix}")
         if self.cache is not None and self.cache.line():
             lines.append(f"  {self.cache.line()}")
         lines += [f"  note: {n}" for n in self.notes]

@@ -549,3 +549,155 @@ def test_report_summary_names_every_path() -> None:
     assert text.startswith("2 compiled, 0 pending, 0 eager, 0 skipped")
     assert "layers.0" in text and "layers.1" in text
     assert "restored" in repr(h)
+
+
+# --- nothing a compiler raises escapes (on_failure = "eager") ----------------------------------
+
+class FailingBackend:
+    """A backend that counts its calls and refuses every graph, as a broken compiler would."""
+
+    calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        FailingBackend.calls += 1
+        raise RuntimeError("this compiler is broken")
+
+
+if "surgery_test_failing" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(FailingBackend(), name="surgery_test_failing")
+
+
+def test_a_fallen_back_path_never_reaches_the_compiler_again() -> None:
+    """Later calls run the original code: the backend sees no further graph after the first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    FailingBackend.calls = 0
+    m = manifest_for(model, [Region("lin", ["0", "1"])], backend="surgery_test_failing",
+                     on_cpu="compile")
+    with torch.no_grad(), pytest.warns(RegionFallbackWarning,
+                                       match="RuntimeError: this compiler is broken"):
+        h = apply_manifest(model, m, warmup=lambda mdl: mdl(x))
+    assert FailingBackend.calls == 1
+    with torch.no_grad():
+        for _ in range(5):
+            model(x)
+    assert FailingBackend.calls == 1
+    assert [r.status for r in h.report] == ["eager", "eager"]
+    assert "BackendCompilerFailed" in h.report[0].reason
+    assert h.report[0].eager_calls == h.report[0].calls == 3 + 5
+    h.restore()
+
+
+class Scale:
+    """An object argument: dynamo guards on its attribute, surgery's signature sees its type."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
+class ObjArg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, s: Scale) -> torch.Tensor:
+        return self.lin(x) * s.k
+
+
+@torch._dynamo.config.patch(recompile_limit=2)
+def test_the_recompile_limit_failure_is_caught(recwarn) -> None:
+    """FailOnRecompileLimitHit is a plain Exception, not a TorchDynamoException: still caught,
+    and only the path that hit it runs eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ObjArg(), ObjArg())
+    x = torch.randn(2, 4)
+    m = manifest_for(model, [Region("obj", ["0", "1"])], **AOT)
+    with torch.no_grad():
+        h = apply_manifest(model, m)
+        for k in (1, 2, 3):
+            torch.testing.assert_close(model[0](x, Scale(k)), model[0].lin(x) * k, **EXACT)
+        model[1](x, Scale(1))  # its signature is in the shared cache: still compiled
+    first, second = h.report
+    assert first.status == "eager" and "FailOnRecompileLimitHit" in first.reason
+    assert second.status == "compiled"
+    assert "guard: " in first.recompile_reasons[0]  # dynamo's own guard, e.g. s.k == 1
+    assert len([w for w in recwarn if issubclass(w.category, SurgeryWarning)]) == 1
+    h.restore()
+
+
+def test_recompiles_the_signature_cannot_see_are_budgeted_too() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ObjArg())
+    x = torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(RegionFallbackWarning, match="already compiled"):
+        h = apply_manifest(model, manifest_for(model, [Region("obj", ["0"])], **AOT))
+        for k in range(1, 8):
+            torch.testing.assert_close(model[0](x, Scale(k)), model[0].lin(x) * k, **EXACT)
+    rec = h.report[0]
+    # The first compile, then 5 that its signature could not see, the 5th over the budget of 4.
+    assert rec.status == "eager" and rec.compiles == 6
+    assert "(guard: " in rec.recompile_reasons[0] and rec.eager_calls == 1
+    h.restore()
+
+
+class OwnError(nn.Module):
+    """Raises its own error for large batches, compiled or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 3:
+            raise ValueError("batch too large for this model")
+        return self.lin(x)
+
+
+def test_the_models_own_exception_propagates_and_the_path_stays_compiled() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnError())
+    with torch.no_grad(), apply_manifest(model, manifest_for(model, [Region("own", ["0"])], **AOT),
+                                         warmup=lambda mdl: mdl(torch.randn(2, 4))) as h:
+        with pytest.raises(ValueError, match="batch too large"):
+            model(torch.randn(5, 4))
+        model(torch.randn(2, 4))
+        assert h.report[0].status == "compiled" and h.report[0].reason == ""
+
+
+def test_a_failing_capture_or_replay_runs_the_path_compiled_without_graphs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Surgery's own capture and replay are covered too (e.g. a tensor kind it cannot read)."""
+    from surgery import apply as apply_mod
+    from surgery.graphs import RegionGraphs
+
+    monkeypatch.setattr(apply_mod, "_on_cuda", lambda module, model: True)
+    monkeypatch.setattr(apply_mod, "_capturer_for", lambda module: object())
+
+    def broken(self, args, kwargs):
+        raise RuntimeError("Inference tensors do not track version counter")
+
+    monkeypatch.setattr(RegionGraphs, "signature", broken)
+    torch.manual_seed(0)
+    model, manifest, x = small_transformer(depth=2)
+    manifest.compile.update(capture="region", backend="aot_eager")
+    with torch.no_grad():
+        ref = model(x)
+        with pytest.warns(SurgeryWarning, match="capture or replay failed") as got:
+            h = apply_manifest(model, manifest, warmup=lambda mdl: mdl(x), passes=2)
+        out = model(x)
+    torch.testing.assert_close(out, ref, **EXACT)
+    assert len([w for w in got if issubclass(w.category, SurgeryWarning)]) == 2  # one per path
+    rec = h.report[0]
+    assert rec.status == "compiled" and any("capture or replay failed" in n for n in rec.notes)
+    assert vars(model.layers[0])["forward"].__surgery_slot__.graphs is None
+    h.restore()
+    # The model's own error, raised through the capture path, propagates and is no failure.
+    monkeypatch.setattr(RegionGraphs, "signature", lambda self, args, kwargs: None)
+    own = nn.Sequential(OwnError())
+    m = manifest_for(own, [Region("own", ["0"])], capture="region", backend="aot_eager")
+    with torch.no_grad(), apply_manifest(own, m) as h:
+        with pytest.raises(ValueError, match="batch too large"):
+            own(torch.randn(5, 4))
+        assert vars(own[0])["forward"].__surgery_slot__.graphs is not None
+        assert h.report[0].status == "pending" and not h.report[0].notes[1:]
