@@ -350,3 +350,49 @@ def test_signature_differences_are_named() -> None:
     t = torch.zeros(2, 8)
     assert call_signature(["x", "s"], m, (t, 0.5), {}) == call_signature(["x", "s"], m, (t, 2.0),
                                                                           {})
+
+
+# --- the case that broke: LingBot's layout, planned naively, streamed under autocast ------------
+
+@pytest.mark.slow
+def test_sdpa_example_streams_with_a_naive_plan_without_breaking() -> None:
+    """The regions the planner proposed for LingBot's GCTStream: the camera trunk's blocks
+    (a growing KV cache and an int global_idx), single convs of the float32 depth head, and the
+    frame blocks; streamed in a bf16 autocast step. Nothing escapes, outputs match eager, the
+    trunk is demoted with its reason, and the fixed-shape regions stay compiled."""
+    from surgery.examples import tiny_sdpa
+
+    torch.manual_seed(0)
+    model, ref = tiny_sdpa().eval(), tiny_sdpa().eval()
+    ref.load_state_dict(model.state_dict())
+    regions = [
+        Region("camera_block", ["camera_head.trunk.0", "camera_head.trunk.1"]),
+        Region("depth_conv", [f"depth_head.projects.{i}" for i in range(4)]),
+        Region("frame_block", ["aggregator.frame_blocks.0", "aggregator.frame_blocks.1"]),
+    ]
+    frames = [model.example_input(seed=i) for i in range(6)]
+
+    def stream(mdl: nn.Module, xs: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return [mdl(x) for x in xs]
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        h = apply_manifest(model, manifest_for(model, regions),
+                           warmup=lambda mdl: stream(mdl, frames[:1]), passes=2)
+        outs = stream(model, frames[2:])
+    want = stream(ref, [frames[0], frames[0], *frames[2:]])[2:]  # warm-up: frame 0, twice
+    for o, w in zip(outs, want, strict=True):
+        torch.testing.assert_close(o["depth"], w["depth"], atol=1e-2, rtol=1e-2)  # bf16 trunk
+        torch.testing.assert_close(o["pose"], w["pose"], atol=1e-2, rtol=1e-2)
+    s = h.report.summary()
+    trunk = h.report.by_path("camera_head.trunk.0")
+    assert trunk.status == "eager" and "list argument cache[0] has" in trunk.reason, s
+    assert h.report.by_path("camera_head.trunk.1").recompile_reasons[0].startswith(
+        "int argument global_idx = 1 (was 0)") or "global_idx" in s, s
+    for path in ("depth_head.projects.0", "aggregator.frame_blocks.0"):
+        assert h.report.by_path(path).status == "compiled", s
+    assert sum(r.compiles for r in h.report) <= 4 * len(h.report), s
+    fallback = [w for w in got if issubclass(w.category, RegionFallbackWarning)]
+    assert len(fallback) == 1 and "camera_block" in str(fallback[0].message)
+    h.restore()
