@@ -77,7 +77,14 @@ def parameter_names(fn: Callable[..., Any]) -> list[str]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+# torch's own "is any autocast on" (one C call); without it, ask each device.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_NO_AUTOCAST = (False, False)
+
+
 def _autocast_state() -> tuple[Any, ...]:
+    if _any_autocast is not None and not _any_autocast():
+        return _NO_AUTOCAST
     out: list[Any] = []
     for dev in ("cpu", "cuda"):
         on = torch.is_autocast_enabled(dev)
@@ -103,7 +110,8 @@ def call_signature(names: Sequence[str], module: nn.Module, args: tuple[Any, ...
 
 def _walk(label: str, obj: Any, sig: list[tuple[str, Any]], depth: int) -> None:
     if isinstance(obj, torch.Tensor):
-        sig.append((label, ("tensor", tuple(obj.shape), obj.stride(), obj.dtype, obj.device,
+        # torch.Size is a tuple; get_device() is an int (-1: CPU), cheaper than .device
+        sig.append((label, ("tensor", obj.shape, obj.stride(), obj.dtype, obj.get_device(),
                             obj.requires_grad, obj.is_inference())))
     elif isinstance(obj, bool):
         sig.append((label, ("bool", obj)))
@@ -147,13 +155,15 @@ def _describe(label: str, new: Any, old: Any) -> tuple[str, str]:
     if new[0] == "tensor":
         _, shape, stride, dtype, device, rg, inf = new
         _, oshape, ostride, odtype, odevice, org, _ = old
+        shape, oshape = tuple(shape), tuple(oshape)
         if shape != oshape and _contiguous(shape, stride) == _contiguous(oshape, ostride):
             return "shape", f"shape of {label} {shape} (was {oshape})"
         if stride != ostride:
             return "stride", (f"strides of {label} {stride} (was {ostride}; "
                               "a non-contiguous input?)")
         if dtype != odtype or device != odevice:
-            return "dtype", f"{label} is {dtype} on {device} (was {odtype} on {odevice})"
+            return "dtype", (f"{label} is {dtype} on {_device_name(device)} (was {odtype} on "
+                             f"{_device_name(odevice)})")
         if rg != org:
             return "grad", f"{label}.requires_grad = {rg} (was {org})"
         return "inference", f"{label} is {'an' if inf else 'not an'} inference tensor"
@@ -166,6 +176,10 @@ def _describe(label: str, new: Any, old: Any) -> tuple[str, str]:
     if new[0] == "object":
         return "structure", f"argument {label} is a {new[1]} (was a {old[1]})"
     return "scalar", f"{new[0]} argument {label} = {new[1]!r} (was {old[1]!r})"
+
+
+def _device_name(index: int) -> str:
+    return "cpu" if index < 0 else f"device {index}"
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
