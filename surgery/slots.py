@@ -70,6 +70,7 @@ class _Slot:
     dyn_compiles: int = 0
     hidden: int = 0  # compiles dynamo made for signatures surgery had already seen
     _raised: BaseException | None = None  # an error run_compiled let out on purpose
+    _done: tuple[Any, bool] | None = None  # run_compiled's result within the current call
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self.record
@@ -88,12 +89,14 @@ class _Slot:
             return _clone_tensors(out) if rec.clone_outputs else out
         replays = graphs.replays
         try:
-            out = graphs(args, kwargs, self.run_compiled)
+            out = graphs(args, kwargs, self._run_for_graphs)
         except Exception as exc:
             raised, self._raised = self._raised, None
+            done, self._done = self._done, None
             if exc is raised:  # the model's own error, or on_failure = "error"
                 raise
-            return self._graphs_failed(exc, args, kwargs)
+            return self._graphs_failed(exc, args, kwargs, done)
+        self._done = None
         if graphs.replays > replays:  # a replay of a graph captured from compiled code
             rec.compiled_calls += 1
             rec.graph_replays += 1
@@ -148,6 +151,13 @@ class _Slot:
             return out, True
         rec.eager_calls += 1  # dynamo ran the frame without a graph (e.g. recompile limit)
         return out, False
+
+    def _run_for_graphs(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[Any, bool]:
+        """run_compiled, remembering its result: if the capture fails after it, the call
+        returns this output instead of running the region a second time."""
+        self._done = self.run_compiled(args, kwargs)
+        return self._done
 
     def raw_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The compiled callable itself, outside the accounting (what a capture records)."""
@@ -259,7 +269,7 @@ class _Slot:
                           f"{message}", SurgeryWarning, stacklevel=5)
 
     def _graphs_failed(self, exc: BaseException, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> Any:
+                       kwargs: dict[str, Any], done: tuple[Any, bool] | None) -> Any:
         """Surgery's own capture or replay failed: this path runs compiled without graphs."""
         cause = f"{type(exc).__name__}: {_first_line(exc)}"
         if self.region.on_failure == "error":
@@ -274,7 +284,7 @@ class _Slot:
             graphs.drop("capture or replay failed")
         self.warn_graphs(f"CUDA-graph capture or replay failed ({cause}); runs compiled "
                          "without a graph")
-        out = self.run_compiled(args, kwargs)[0]
+        out = done[0] if done is not None else self.run_compiled(args, kwargs)[0]
         return _clone_tensors(out) if self.record.clone_outputs else out
 
     def _fall_back(self, exc: BaseException, g: _Group, args: tuple[Any, ...],

@@ -692,6 +692,28 @@ def test_a_failing_capture_or_replay_runs_the_path_compiled_without_graphs(
     assert rec.status == "compiled" and any("capture or replay failed" in n for n in rec.notes)
     assert vars(model.layers[0])["forward"].__surgery_slot__.graphs is None
     h.restore()
+    # A capture that fails after the compiled call ran: that call's output is returned, and
+    # the region does not run twice.
+    monkeypatch.undo()
+    monkeypatch.setattr(apply_mod, "_on_cuda", lambda module, model: True)
+    cpu = type("CpuCapturer", (), {"device": -1, "owned": {}})()  # CPU tensors pass its check
+    monkeypatch.setattr(apply_mod, "_capturer_for", lambda module: cpu)
+
+    def late(self, sig, tensors, args, kwargs, out, writes):
+        raise RuntimeError("Inference tensors do not track version counter")
+
+    monkeypatch.setattr(RegionGraphs, "_capture", late)
+    model, manifest, x = small_transformer(depth=1)
+    manifest.compile.update(capture="region", backend="aot_eager")
+    with torch.no_grad(), pytest.warns(SurgeryWarning, match="capture or replay failed"):
+        want = model(x)
+        h = apply_manifest(model, manifest, warmup=lambda mdl: mdl(x), passes=3)
+        torch.testing.assert_close(model(x), want, **EXACT)
+    rec = h.report[0]
+    # 3 warm-up calls and one more, each running the compiled graph once (not twice).
+    assert rec.calls == rec.compiled_calls == rec.graphs_run == 4, h.report.summary()
+    assert any("capture or replay failed (RuntimeError: Inference" in n for n in rec.notes)
+    h.restore()
     # The model's own error, raised through the capture path, propagates and is no failure.
     monkeypatch.setattr(RegionGraphs, "signature", lambda self, args, kwargs: None)
     own = nn.Sequential(OwnError())
