@@ -82,6 +82,9 @@ def folder_candidates(folder: str) -> list[str]:
 def resolve_checkpoint(path: str, *, format: str | None = None) -> ResolvedSource:
     """The file to read for `path` (a file, or a save_pretrained folder) and its kind."""
     kind = format_kind(format)
+    if not os.path.exists(path):  # before the suffix: "no such file" says more than its type
+        raise CheckpointError(f"{path}: no such file or folder", path=path,
+                              hint="check the path")
     if not os.path.isdir(path):
         return ResolvedSource(path, kind)
     found = folder_candidates(path)

@@ -169,6 +169,8 @@ def test_ambiguous_or_empty_folder_is_refused_with_candidates(tmp_path) -> None:
     assert sorted(os.listdir(folder)) == ["diffusion_pytorch_model.safetensors",
                                           "model.safetensors"]
     assert not (tmp_path / "o.safetensors").exists()
+    r = run("plan", tmp_path / "no-such-folder")  # not "unknown checkpoint type"
+    assert r.exit_code == 3 and "no-such-folder: no such file or folder" in r.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     r = run("verify", empty)
