@@ -23,11 +23,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from surgery.checkpoint import TensorInfo
-from surgery.errors import RegionError
+from surgery.errors import CheckpointError, RegionError
 
 FRAME_BLOCK = "frame_block"
 PATCH_EMBED_BLOCK = "patch_embed_block"
@@ -79,40 +79,108 @@ class ModuleNode:
 
 @dataclass
 class ModelView:
-    """Module paths with their classes, owned tensors and methods; "" is the root."""
+    """Module paths with their classes, owned tensors and methods; "" is the root.
+
+    Region finding asks for a node's children and a subtree's tensors once per node, so both
+    are answered from an index (parent -> children, built once) rather than a scan of every
+    module: a scan per node made planning quadratic in the tensor count (issue 10: 8k tensors
+    took 6.2 s, 100k did not finish in 600 s). The index is rebuilt when modules are added.
+    """
 
     modules: dict[str, ModuleNode]
     live: bool = False
+    _kids: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
+    _numel: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False,
+                                               compare=False)
+    _indexed: int = field(default=-1, repr=False, compare=False)
+
+    def _index(self) -> dict[str, list[str]]:
+        if self._indexed != len(self.modules):
+            kids: dict[str, list[str]] = {}
+            for p in self.modules:
+                if p:
+                    kids.setdefault(p.rpartition(".")[0], []).append(p)
+            self._kids, self._numel, self._indexed = kids, {}, len(self.modules)
+        return self._kids
 
     def children(self, path: str) -> list[str]:
-        depth = path.count(".") + 1 if path else 0
-        pre = f"{path}." if path else ""
-        return [p for p in self.modules if p.startswith(pre) and p and p.count(".") == depth]
+        """The direct children of `path` that are modules, in the view's order (a dict lookup)."""
+        return list(self._index().get(path, ()))
+
+    def subtree(self, path: str) -> Iterator[str]:
+        """`path` and every module below it, parents before children (no scan of the view)."""
+        kids = self._index()
+        stack = [path]
+        while stack:
+            p = stack.pop()
+            yield p
+            stack.extend(reversed(kids.get(p, ())))
 
     def subtree_tensors(self, path: str) -> dict[str, TensorInfo]:
         """Tensors under `path`, keyed relative to it."""
-        pre = f"{path}." if path else ""
+        pre = len(path) + 1 if path else 0
         out: dict[str, TensorInfo] = {}
-        for p, node in self.modules.items():
-            if p == path or p.startswith(pre) or not path:
-                rel = p[len(pre):] if p != path else ""
-                for name, t in node.tensors.items():
-                    out[f"{rel}.{name}" if rel else name] = t
+        for p in self.subtree(path):
+            rel = p[pre:]
+            for name, t in self.modules[p].tensors.items():
+                out[f"{rel}.{name}" if rel else name] = t
         return out
 
     def numel(self, path: str) -> int:
-        return sum(t.numel for t in self.subtree_tensors(path).values())
+        """Elements of the tensors under `path`: every subtree is summed once, then looked up."""
+        return self._totals()[path][0] if path in self.modules else 0
+
+    def has_tensors(self, path: str) -> bool:
+        """Whether any tensor (even an empty one) lies under `path`."""
+        return path in self.modules and self._totals()[path][1] > 0
+
+    def _totals(self) -> dict[str, tuple[int, int]]:
+        """(elements, tensors) under each module, from one pass over the owned tensors."""
+        self._index()
+        if not self._numel:
+            numel = dict.fromkeys(self.modules, 0)
+            count = dict.fromkeys(self.modules, 0)
+            for p, node in self.modules.items():
+                if node.tensors:
+                    own = sum(t.numel for t in node.tensors.values())
+                    for a in ancestors(p):
+                        numel[a] += own
+                        count[a] += len(node.tensors)
+            self._numel = {p: (numel[p], count[p]) for p in self.modules}
+        return self._numel
+
+
+def ancestors(path: str) -> Iterator[str]:
+    """`path`, its parent, ... up to the root "" (a module's containers, innermost first)."""
+    yield path
+    while path:
+        path = path.rpartition(".")[0]
+        yield path
+
+
+# Deeper or longer keys are refused: every key prefix becomes a module path, so one key of
+# length L and depth d costs d strings of up to L characters. Real models stay far below both
+# (the deepest keys seen have about 15 segments and 150 characters).
+MAX_KEY_DEPTH = 256
+MAX_KEY_LENGTH = 4096
 
 
 def view_from_tensors(tensors: Mapping[str, TensorInfo]) -> ModelView:
     """A view from a state dict's keys: every key prefix is a module."""
     modules: dict[str, ModuleNode] = {"": ModuleNode("")}
     for key, info in tensors.items():
+        if len(key) > MAX_KEY_LENGTH or key.count(".") >= MAX_KEY_DEPTH:
+            raise CheckpointError(
+                f"tensor key {key[:60]!r}... is {len(key)} characters and "
+                f"{key.count('.') + 1} segments long (limits: {MAX_KEY_LENGTH} characters, "
+                f"{MAX_KEY_DEPTH} segments)", path="",
+                hint="this is not a model's state dict; check where the file came from")
         mod, _, name = key.rpartition(".")
-        parts = mod.split(".") if mod else []
-        for i in range(1, len(parts) + 1):
-            p = ".".join(parts[:i])
-            modules.setdefault(p, ModuleNode(p))
+        if mod not in modules:
+            prefix = ""
+            for part in mod.split("."):
+                prefix = f"{prefix}.{part}" if prefix else part
+                modules.setdefault(prefix, ModuleNode(prefix))
         modules[mod].tensors[name] = info
     return ModelView(modules)
 
@@ -165,8 +233,8 @@ def _is_streaming(view: ModelView, path: str) -> bool:
     return bool(node.methods) or (len(seg) >= 2 and seg[-2] in STREAMING_CONTAINERS)
 
 
-def _layout(view: ModelView, path: str) -> frozenset[str]:
-    return frozenset(f"{k}:{t.shape}" for k, t in view.subtree_tensors(path).items())
+def _layout(view: ModelView, path: str) -> frozenset[tuple[str, tuple[int, ...]]]:
+    return frozenset((k, t.shape) for k, t in view.subtree_tensors(path).items())
 
 
 def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:
@@ -184,7 +252,7 @@ def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:
             ref = Counter(layouts.values()).most_common(1)[0][0]
             members = [k for k in kids if layouts[k] and
                        len(layouts[k] & ref) / max(1, len(layouts[k] | ref)) >= _SIMILARITY]
-        members = [k for k in members if view.subtree_tensors(k)]
+        members = [k for k in members if view.has_tensors(k)]
         if len(members) >= 2:
             out.append((path, members))
     return out
@@ -238,26 +306,41 @@ def _overlaps(a: Candidate, b: Candidate) -> bool:
 
 
 def _resolve(cands: Sequence[Candidate]) -> tuple[list[Candidate], list[tuple[str, str, str]]]:
+    """Accept candidates strongest first; one that overlaps an accepted one is left out.
+
+    Overlaps are found through two maps (accepted forwards by module path, and the first
+    accepted region below each module path) walked along the candidate's ancestors, so each
+    candidate costs its depth, not a comparison with every accepted region (`_overlaps` states
+    the rule; issue 10's quadratic plan time was this pair of loops too).
+    """
     order = sorted(cands, key=lambda c: (_PRIORITY.get(c.kind, 0), c.module_path.count("."),
                                          natural_key(c.path)))
     accepted: list[Candidate] = []
     left: list[tuple[str, str, str]] = []
+    forward_at: dict[str, int] = {}  # module path -> index in `accepted` of its forward region
+    first_below: dict[str, int] = {}  # module path -> first accepted region at or below it
     for c in order:
-        clash = next((a for a in accepted if _overlaps(a, c)), None)
-        if clash is None:
+        mp = c.module_path
+        hits = [forward_at[a] for a in ancestors(mp) if a in forward_at]
+        if c.callable == "forward" and mp in first_below:
+            hits.append(first_below[mp])
+        if not hits:
+            i = len(accepted)
             accepted.append(c)
+            if c.callable == "forward":
+                forward_at.setdefault(mp, i)
+            for a in ancestors(mp):
+                first_below.setdefault(a, i)
             continue
-        where = "inside" if _is_within(c.module_path, clash.module_path) else "contains"
+        clash = accepted[min(hits)]
+        assert _overlaps(clash, c)
+        where = "inside" if _is_within(mp, clash.module_path) else "contains"
         left.append((c.path, c.kind, f"{where} {clash.kind} region {clash.path}"))
     return accepted, left
 
 
 def _match(patterns: Iterable[str], path: str) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(path, p)), None)
-
-
-def _streaming_inside(view: ModelView, path: str) -> bool:
-    return any(_is_within(p, path) and _is_streaming(view, p) for p in view.modules if p)
 
 
 def _fold(view: ModelView, accepted: list[Candidate]
@@ -268,7 +351,8 @@ def _fold(view: ModelView, accepted: list[Candidate]
     cost grows faster than the number of regions, so one region for LingBot's 24 patch-embed
     blocks beats 24 (benchmarks/RESULTS.md). A container qualifies when every numbered child of
     its block list is a region, no other region lies inside it, it is not the whole model, and
-    nothing inside it streams.
+    nothing inside it streams. Regions and streaming modules are counted per ancestor once,
+    so the checks are lookups (linear in the view, issue 10).
     """
     by_list: dict[str, list[Candidate]] = {}
     for c in accepted:
@@ -276,20 +360,27 @@ def _fold(view: ModelView, accepted: list[Candidate]
         if c.callable == "forward" and len(seg) >= 3 and _is_index(seg[-1]) and \
                 c.kind in (PATCH_EMBED_BLOCK, REPEATED_BLOCK, FRAME_BLOCK, CUSTOM):
             by_list.setdefault(".".join(seg[:-1]), []).append(c)
-    out = list(accepted)
+    if not by_list:
+        return list(accepted), []
+    out = {id(c): c for c in accepted}
+    inside: Counter[str] = Counter(a for c in accepted for a in ancestors(c.module_path))
+    streams = {a for p in view.modules if p and _is_streaming(view, p) for a in ancestors(p)}
     left: list[tuple[str, str, str]] = []
     for blocks_path, members in by_list.items():
         container = blocks_path.rpartition(".")[0]
         numbered = [k for k in view.children(blocks_path) if _is_index(k.rsplit(".", 1)[-1])]
-        inside = [c for c in out if _is_within(c.module_path, container)]
-        if sorted(c.path for c in members) != sorted(numbered) or len(inside) != len(members) \
-                or _streaming_inside(view, container):
+        if sorted(c.path for c in members) != sorted(numbered) or \
+                inside[container] != len(members) or container in streams:
             continue
         kind = PATCH_EMBED if container.rsplit(".", 1)[-1] == "patch_embed" else BLOCK_STACK
-        out = [c for c in out if c not in members]
-        out.append(Candidate(kind, container, cls=view.modules[container].cls))
+        for c in members:
+            del out[id(c)]
+            inside.subtract(ancestors(c.module_path))
+        folded = Candidate(kind, container, cls=view.modules[container].cls)
+        out[id(folded)] = folded
+        inside.update(ancestors(container))
         left += [(c.path, c.kind, f"folded into {kind} region {container}") for c in members]
-    return out, left
+    return list(out.values()), left
 
 
 def find_regions(view: ModelView, *, include: Sequence[str] = (),
@@ -302,20 +393,19 @@ def find_regions(view: ModelView, *, include: Sequence[str] = (),
     fixed-shape container whose blocks are all regions as one region (see `_fold`).
     """
     cands, notes = _candidates(view)
+    by_path = {c.path: c for c in cands}  # paths are unique: _candidates keys them by path
     for pattern in include:
         hits = [p for p in view.modules if p and fnmatch.fnmatchcase(p, pattern)]
-        hits += [c.path for c in cands if c.callable == "method"
+        hits += [c.path for c in list(by_path.values()) if c.callable == "method"
                  and fnmatch.fnmatchcase(c.path, pattern)]
         if not hits:
             raise RegionError(f"--include {pattern!r} matches no module in the model",
                               region=pattern, hint=_closest_hint(view, pattern))
-        known = {c.path: c for c in cands}
         for h in hits:
-            old = known.get(h)
-            cands = [c for c in cands if c.path != h]
-            cands.append(Candidate(CUSTOM, h, callable=old.callable if old else "forward",
-                                   group=pattern, cls=old.cls if old else view.modules[h].cls))
-    accepted, left = _resolve(cands)
+            old = by_path.pop(h, None)  # re-inserted last, as an include is the newest word
+            by_path[h] = Candidate(CUSTOM, h, callable=old.callable if old else "forward",
+                                   group=pattern, cls=old.cls if old else view.modules[h].cls)
+    accepted, left = _resolve(list(by_path.values()))
     kept: list[Candidate] = []
     used: set[str] = set()
     for c in accepted:

@@ -210,3 +210,93 @@ def test_fold_leaves_partial_or_root_block_lists_alone() -> None:
                                      "encoder.layer.0", "encoder.layer.1"]
     folded = find_regions(_view(keys), fold=True)
     assert _kinds(folded)["block_stack"] == ["encoder"]
+
+
+# --- linear time (issue 10): counted operations, not timings ----------------------------------
+
+class _CountingModules(dict):
+    """A view's module table that counts the entries every full scan of it visits."""
+
+    visited = 0
+
+    def __iter__(self):
+        for k in super().__iter__():
+            type(self).visited += 1
+            yield k
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def keys(self):
+        return list(self)
+
+
+def _work(n_blocks: int, monkeypatch, *, fold: bool = False) -> tuple[int, int]:
+    """Module entries scanned and overlap checks made while finding regions of n blocks."""
+    import surgery.regions as regions
+
+    keys: dict = {}
+    for i in range(n_blocks):
+        keys |= _block_keys(f"encoder.layer.{i}")
+        keys |= _block_keys(f"decoder.blocks.{i}.inner.{i % 3}")
+    view = _view(keys)
+    view.modules = _CountingModules(view.modules)
+    _CountingModules.visited = 0
+    checks = 0
+    real = regions._is_within
+
+    def counting(inner: str, outer: str) -> bool:
+        nonlocal checks
+        checks += 1
+        return real(inner, outer)
+
+    monkeypatch.setattr(regions, "_is_within", counting)
+    found = find_regions(view, fold=fold)
+    assert len(found.regions) + len(found.left_out) >= n_blocks
+    return _CountingModules.visited, checks
+
+
+@pytest.mark.parametrize("fold", [pytest.param(False, id="plain"), pytest.param(True, id="fold")])
+def test_region_finding_work_grows_linearly(monkeypatch, fold: bool) -> None:
+    # Issue 10: ModelView.children scanned every module for every node, and each candidate was
+    # compared with every accepted region, so 10x the blocks cost 100x the work. Counted here,
+    # not timed: 10x the blocks may cost at most 15x the scanned entries and overlap checks.
+    small_scan, small_checks = _work(40, monkeypatch, fold=fold)
+    big_scan, big_checks = _work(400, monkeypatch, fold=fold)
+    assert big_scan <= 15 * small_scan, (small_scan, big_scan)
+    assert big_checks <= 15 * max(small_checks, 1), (small_checks, big_checks)
+
+
+def test_children_and_subtrees_come_from_an_index_kept_current() -> None:
+    from surgery.regions import ModuleNode
+
+    view = _view(_block_keys("blocks.0") | _block_keys("blocks.1") | {"head.weight": (2, 2)})
+    assert view.children("") == ["blocks", "head"]
+    assert view.children("blocks") == ["blocks.0", "blocks.1"]
+    assert view.children("blocks.0.attn") == ["blocks.0.attn.qkv", "blocks.0.attn.proj"]
+    assert view.numel("blocks.0") == 4 * 16 + 4 and view.numel("head") == 4
+    assert view.numel("") == 2 * (4 * 16 + 4) + 4
+    assert set(view.subtree_tensors("blocks.1.mlp")) == {"fc1.weight", "fc2.weight"}
+    # A live model adds parameter-free modules after the view is built: the index follows.
+    view.modules["blocks.0.drop"] = ModuleNode("blocks.0.drop")
+    assert "blocks.0.drop" in view.children("blocks.0")
+    assert not view.has_tensors("blocks.0.drop") and view.has_tensors("blocks.0")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param(".".join(["a"] * 300) + ".weight", id="too-deep"),
+        pytest.param("a." + "x" * 5000, id="too-long"),
+    ],
+)
+def test_absurd_keys_are_refused_in_one_line(key: str) -> None:
+    # Every key prefix becomes a module path: one key of depth d and length L costs d*L.
+    from surgery.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="limits") as e:
+        _view({key: (1,)})
+    assert "\n" not in e.value.message
