@@ -8,6 +8,7 @@ model is built from a ``package.module:factory`` on the meta device when possibl
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections import Counter
@@ -35,6 +36,7 @@ from surgery.regions import (
     natural_key,
     view_from_tensors,
 )
+from surgery.view import ForwardArg
 
 
 @dataclass
@@ -239,8 +241,12 @@ def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = N
                          fold=fold)
     if fold:
         notes.extend(_fold_note(manifest))
-    if not any(r.callable == "method" for r in manifest.regions):
-        notes.append("a checkpoint cannot show methods (attn_pre, ffn_residual); plan the live "
+    streaming = [lo.path for lo in manifest.left_out if "streaming" in lo.reason]
+    if streaming and not any(r.callable == "method" for r in manifest.regions):
+        # Only where the checkpoint shows streaming blocks (issue 12: this line used to end
+        # every plan, timm's and diffusers' included).
+        notes.append(f"{len(streaming)} streaming block(s) (e.g. {streaming[0]}): a checkpoint "
+                     "cannot show their fixed-shape methods or forward arguments; plan the live "
                      "model with --model package.module:factory to find them")
     return PlanResult(manifest, path, notes, wrapped)
 
@@ -302,19 +308,56 @@ def build_model(spec: str, *, notes: list[str] | None = None) -> Any:
 
 
 def view_from_module(model: Any) -> tuple[ModelView, dict[str, TensorInfo]]:
-    """A view of a live model: its state dict, plus classes and region-worthy methods."""
+    """A view of a live model: its state dict, plus classes, region-worthy methods, and the
+    arguments each class's ``forward`` takes (a cache or per-instance index marks a block as
+    streaming, surgery.blocks)."""
     from surgery.regions import METHOD_KINDS, ModuleNode
 
     tensors = {k: TensorInfo(tuple(v.shape), normalize_dtype(v.dtype))
                for k, v in model.state_dict().items()}
     view = view_from_tensors(tensors)
     view.live = True
+    view.optional_cache_streams = _may_pass_a_cache(model)
+    signatures: dict[type, tuple[ForwardArg, ...] | None] = {}
     for path, mod in model.named_modules():
         node = view.modules.setdefault(path, ModuleNode(path))
-        node.cls = type(mod).__name__
-        node.methods = frozenset(m for m in METHOD_KINDS
-                                 if callable(getattr(type(mod), m, None)))
+        cls = type(mod)
+        node.cls = cls.__name__
+        node.methods = frozenset(m for m in METHOD_KINDS if callable(getattr(cls, m, None)))
+        if cls not in signatures:
+            signatures[cls] = _forward_args(cls)
+        node.forward_args = signatures[cls]
+        node.library_layer = cls.__module__.startswith("torch.nn.")
     return view, tensors
+
+
+def _forward_args(cls: type) -> tuple[ForwardArg, ...] | None:
+    """The parameters of ``cls.forward`` after ``self`` (None where Python cannot tell)."""
+    try:
+        sig = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError, AttributeError):  # builtins, C extensions
+        return None
+    out = []
+    for i, p in enumerate(sig.parameters.values()):
+        if i == 0 or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        ann = "" if p.annotation is p.empty else (
+            p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(
+                p.annotation))
+        out.append(ForwardArg(p.name, p.default is p.empty, ann))
+    return tuple(out)
+
+
+def _may_pass_a_cache(model: Any) -> bool:
+    """False when the model says it never generates (transformers' ``can_generate()``), so an
+    optional ``cache=None`` argument of its blocks is never given one."""
+    can = getattr(type(model), "can_generate", None)
+    if not callable(can):
+        return True
+    try:
+        return bool(can())
+    except Exception:  # a third-party classmethod may fail in any way: assume it may stream
+        return True
 
 
 def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str] = (),

@@ -23,11 +23,21 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from surgery.checkpoint import TensorInfo
-from surgery.errors import CheckpointError, RegionError
+from surgery.blocks import STREAMING_CONTAINERS, fixed_parts, single_layer, stream_reason
+from surgery.errors import RegionError
+from surgery.view import ModelView, ModuleNode, ancestors, view_from_tensors
+
+# The view and the block signs live in their own modules; they are re-exported here because
+# callers (plan, tests) have always imported them from the region finder.
+__all__ = [
+    "ATTN_PRE", "ATTN_PROJ", "BLOCK_STACK", "CUSTOM", "FFN_RESIDUAL", "FIXED_PART", "FRAME_BLOCK",
+    "METHOD_KINDS", "OUTPUTS_OUTLIVE_STEP", "PATCH_EMBED", "PATCH_EMBED_BLOCK", "REPEATED_BLOCK",
+    "STREAMING_CONTAINERS", "Candidate", "Found", "ModelView", "ModuleNode", "find_regions",
+    "natural_key", "view_from_tensors",
+]
 
 FRAME_BLOCK = "frame_block"
 PATCH_EMBED_BLOCK = "patch_embed_block"
@@ -38,14 +48,13 @@ REPEATED_BLOCK = "repeated_block"
 PATCH_EMBED = "patch_embed"
 BLOCK_STACK = "block_stack"
 CUSTOM = "custom"
+# A fixed-shape part of a streaming block (GPT-2's `h.N.mlp` beside the attention that takes the
+# KV cache): found from forward signatures, so only in a live model (surgery.blocks).
+FIXED_PART = "fixed_part"
 
 # Methods that LingBot-Map's streaming blocks split out of their forward: fixed-shape pieces
 # around the attention over the KV cache. They own no parameters, so only a live model shows them.
 METHOD_KINDS: tuple[str, ...] = (ATTN_PRE, FFN_RESIDUAL)
-# Containers whose blocks stream over a growing KV cache (LingBot-Map's `global_blocks`). A
-# checkpoint cannot show the cache, so the name is the only sign there; a live model shows it
-# by the methods above.
-STREAMING_CONTAINERS: tuple[str, ...] = ("global_blocks",)
 # Attention output projections, the fixed-shape matmul inside a streaming block.
 ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
 # Whether a kind's outputs outlive the step. Under CUDA graphs an output lives in the graph's
@@ -66,123 +75,7 @@ _SIMILARITY = 0.5
 
 _PRIORITY = {CUSTOM: 0, PATCH_EMBED: 1, BLOCK_STACK: 1, FRAME_BLOCK: 1, PATCH_EMBED_BLOCK: 1,
              REPEATED_BLOCK: 2,
-             ATTN_PRE: 3, FFN_RESIDUAL: 3, ATTN_PROJ: 3}
-
-
-@dataclass
-class ModuleNode:
-    path: str
-    cls: str | None = None  # class name, live models only
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # owned directly
-    methods: frozenset[str] = frozenset()  # region-worthy methods the class defines
-
-
-@dataclass
-class ModelView:
-    """Module paths with their classes, owned tensors and methods; "" is the root.
-
-    Region finding asks for a node's children and a subtree's tensors once per node, so both
-    are answered from an index (parent -> children, built once) rather than a scan of every
-    module: a scan per node made planning quadratic in the tensor count (issue 10: 8k tensors
-    took 6.2 s, 100k did not finish in 600 s). The index is rebuilt when modules are added.
-    """
-
-    modules: dict[str, ModuleNode]
-    live: bool = False
-    _kids: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
-    _numel: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False,
-                                               compare=False)
-    _indexed: int = field(default=-1, repr=False, compare=False)
-
-    def _index(self) -> dict[str, list[str]]:
-        if self._indexed != len(self.modules):
-            kids: dict[str, list[str]] = {}
-            for p in self.modules:
-                if p:
-                    kids.setdefault(p.rpartition(".")[0], []).append(p)
-            self._kids, self._numel, self._indexed = kids, {}, len(self.modules)
-        return self._kids
-
-    def children(self, path: str) -> list[str]:
-        """The direct children of `path` that are modules, in the view's order (a dict lookup)."""
-        return list(self._index().get(path, ()))
-
-    def subtree(self, path: str) -> Iterator[str]:
-        """`path` and every module below it, parents before children (no scan of the view)."""
-        kids = self._index()
-        stack = [path]
-        while stack:
-            p = stack.pop()
-            yield p
-            stack.extend(reversed(kids.get(p, ())))
-
-    def subtree_tensors(self, path: str) -> dict[str, TensorInfo]:
-        """Tensors under `path`, keyed relative to it."""
-        pre = len(path) + 1 if path else 0
-        out: dict[str, TensorInfo] = {}
-        for p in self.subtree(path):
-            rel = p[pre:]
-            for name, t in self.modules[p].tensors.items():
-                out[f"{rel}.{name}" if rel else name] = t
-        return out
-
-    def numel(self, path: str) -> int:
-        """Elements of the tensors under `path`: every subtree is summed once, then looked up."""
-        return self._totals()[path][0] if path in self.modules else 0
-
-    def has_tensors(self, path: str) -> bool:
-        """Whether any tensor (even an empty one) lies under `path`."""
-        return path in self.modules and self._totals()[path][1] > 0
-
-    def _totals(self) -> dict[str, tuple[int, int]]:
-        """(elements, tensors) under each module, from one pass over the owned tensors."""
-        self._index()
-        if not self._numel:
-            numel = dict.fromkeys(self.modules, 0)
-            count = dict.fromkeys(self.modules, 0)
-            for p, node in self.modules.items():
-                if node.tensors:
-                    own = sum(t.numel for t in node.tensors.values())
-                    for a in ancestors(p):
-                        numel[a] += own
-                        count[a] += len(node.tensors)
-            self._numel = {p: (numel[p], count[p]) for p in self.modules}
-        return self._numel
-
-
-def ancestors(path: str) -> Iterator[str]:
-    """`path`, its parent, ... up to the root "" (a module's containers, innermost first)."""
-    yield path
-    while path:
-        path = path.rpartition(".")[0]
-        yield path
-
-
-# Deeper or longer keys are refused: every key prefix becomes a module path, so one key of
-# length L and depth d costs d strings of up to L characters. Real models stay far below both
-# (the deepest keys seen have about 15 segments and 150 characters).
-MAX_KEY_DEPTH = 256
-MAX_KEY_LENGTH = 4096
-
-
-def view_from_tensors(tensors: Mapping[str, TensorInfo]) -> ModelView:
-    """A view from a state dict's keys: every key prefix is a module."""
-    modules: dict[str, ModuleNode] = {"": ModuleNode("")}
-    for key, info in tensors.items():
-        if len(key) > MAX_KEY_LENGTH or key.count(".") >= MAX_KEY_DEPTH:
-            raise CheckpointError(
-                f"tensor key {key[:60]!r}... is {len(key)} characters and "
-                f"{key.count('.') + 1} segments long (limits: {MAX_KEY_LENGTH} characters, "
-                f"{MAX_KEY_DEPTH} segments)", path="",
-                hint="this is not a model's state dict; check where the file came from")
-        mod, _, name = key.rpartition(".")
-        if mod not in modules:
-            prefix = ""
-            for part in mod.split("."):
-                prefix = f"{prefix}.{part}" if prefix else part
-                modules.setdefault(prefix, ModuleNode(prefix))
-        modules[mod].tensors[name] = info
-    return ModelView(modules)
+             ATTN_PRE: 3, FFN_RESIDUAL: 3, ATTN_PROJ: 3, FIXED_PART: 3}
 
 
 @dataclass
@@ -228,9 +121,7 @@ def _named_kind(path: str) -> str | None:
 
 
 def _is_streaming(view: ModelView, path: str) -> bool:
-    seg = _segments(path)
-    node = view.modules[path]
-    return bool(node.methods) or (len(seg) >= 2 and seg[-2] in STREAMING_CONTAINERS)
+    return stream_reason(view, path) is not None
 
 
 def _layout(view: ModelView, path: str) -> frozenset[tuple[str, tuple[int, ...]]]:
@@ -261,27 +152,55 @@ def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:
 def _candidates(view: ModelView) -> tuple[list[Candidate], list[tuple[str, str, str]]]:
     found: dict[str, Candidate] = {}
     notes: list[tuple[str, str, str]] = []
+    streaming: set[str] = set()
     for container, members in _repeated_groups(view):
         for m in members:
-            if _is_streaming(view, m):
-                notes.append((m, REPEATED_BLOCK, "streaming block: its attention over a growing "
-                              "KV cache changes shape every step; its fixed-shape parts are "
-                              "regions instead"))
+            layer = single_layer(view, m)
+            if layer is not None:
+                notes.append((m, REPEATED_BLOCK, f"a single {layer}: one op gains nothing as a "
+                              "region and costs a graph launch"))
                 continue
-            found[m] = Candidate(REPEATED_BLOCK, m, group=container, cls=view.modules[m].cls)
+            reason = stream_reason(view, m)
+            if reason is None:
+                found[m] = Candidate(REPEATED_BLOCK, m, group=container, cls=view.modules[m].cls)
+                continue
+            notes.append((m, REPEATED_BLOCK, reason))
+            streaming.add(m)
+            if view.modules[m].methods:
+                # LingBot's split: its methods are the fixed-shape parts, and they call the
+                # submodules (ffn_residual calls mlp), so a submodule region would nest in them.
+                continue
+            for part in fixed_parts(view, m):
+                rel = part[len(m) + 1:]
+                found[part] = Candidate(FIXED_PART, part, group=f"{container}.*.{rel}",
+                                        cls=view.modules[part].cls)
     for path, node in view.modules.items():
         kind = _named_kind(path)
         if kind is not None:
             found[path] = Candidate(kind, path, cls=node.cls)
-        seg = _segments(path)
-        if any(tuple(seg[-len(s):]) == s for s in ATTN_PROJ_SUFFIXES) and \
-                any(len(t.shape) == 2 for t in node.tensors.values()):
-            found[path] = Candidate(ATTN_PROJ, path, cls=node.cls)
+        if node.methods:
+            streaming.add(path)
         for method in METHOD_KINDS:
             if method in node.methods:
                 mp = f"{path}.{method}"
                 found[mp] = Candidate(method, mp, callable="method", cls=node.cls)
+    # attn.proj is the fixed-shape matmul of a streaming block's attention: proposed only there,
+    # so models without streaming blocks (timm, diffusers) see no attn_proj candidates at all.
+    for path in _attn_projs(view):
+        if any(a in streaming or (a and _is_streaming(view, a))
+               for a in ancestors(path.rpartition(".")[0])):
+            found[path] = Candidate(ATTN_PROJ, path, cls=view.modules[path].cls)
     return list(found.values()), notes
+
+
+def _attn_projs(view: ModelView) -> list[str]:
+    out = []
+    for path, node in view.modules.items():
+        seg = _segments(path)
+        if any(tuple(seg[-len(s):]) == s for s in ATTN_PROJ_SUFFIXES) and \
+                any(len(t.shape) == 2 for t in node.tensors.values()):
+            out.append(path)
+    return out
 
 
 def _is_within(inner: str, outer: str) -> bool:

@@ -61,8 +61,8 @@ def test_lingbot_layout_from_checkpoint_keys() -> None:
     assert REPEATED_BLOCK not in kinds  # streaming global blocks are never whole regions
     _assert_no_nesting(found)
     left = {(p, k): r for p, k, r in found.left_out}
-    assert left[("aggregator.frame_blocks.1.attn.proj", ATTN_PROJ)] == \
-        "inside frame_block region aggregator.frame_blocks.1"
+    # attn.proj is proposed inside streaming blocks only (issue 12: no attn_proj noise elsewhere).
+    assert not [p for p, k in left if k == ATTN_PROJ]
     assert "streaming" in left[("aggregator.global_blocks.0", REPEATED_BLOCK)]
 
 
@@ -82,8 +82,9 @@ def test_generic_repeated_blocks_in_the_wild(container: str, n: int) -> None:
     found = find_regions(_view(keys))
     kinds = _kinds(found)
     assert kinds == {REPEATED_BLOCK: [f"{container}.{i}" for i in range(n)]}
-    # The block's attn.proj is not a second region inside it.
-    assert all(r.startswith("inside repeated_block") for _, _, r in found.left_out)
+    # No streaming block here, so attn.proj is not even a candidate: nothing is left out, and
+    # the example model's vocabulary (attn_proj) stays out of this plan (issue 12).
+    assert found.left_out == []
 
 
 def test_blocks_whose_structure_differs_slightly_are_one_repeated_block() -> None:
