@@ -18,8 +18,8 @@ and both were proposed by the planner on LingBot-Map's real camera and depth hea
 - **Single layers**: a block that is one ``Conv2d``, ``ConvTranspose2d``, ``Linear`` or norm (one
   module owning tensors) is one op; as a region it gains nothing and costs a graph launch.
 
-Streaming blocks are left out with the reason, and their fixed-shape parts (children that take
-no cache and are more than one layer) are planned instead.
+Streaming blocks are left out with the reason. Where the state comes in through ``forward``, their
+fixed-shape parts (children that take no cache and are more than one layer) are planned instead.
 """
 
 from __future__ import annotations
@@ -62,10 +62,20 @@ def is_index_arg(arg: ForwardArg) -> bool:
 
 def stream_reason(view: ModelView, path: str) -> str | None:
     """Why the block at `path` cannot hold one shape across steps, or None when it can."""
-    node = view.modules[path]
-    if node.methods:
+    if view.modules[path].methods:
         return _NAMED_STREAMING
-    for arg in node.forward_args or ():
+    reason = signature_reason(view, path)
+    if reason is not None:
+        return reason
+    seg = path.split(".") if path else []
+    if len(seg) >= 2 and seg[-2] in STREAMING_CONTAINERS:
+        return _NAMED_STREAMING
+    return None
+
+
+def signature_reason(view: ModelView, path: str) -> str | None:
+    """Why the forward arguments of the block at `path` show state or an index, or None."""
+    for arg in view.modules[path].forward_args or ():
         if is_cache_arg(arg.name) and (arg.required or view.optional_cache_streams):
             return (f"streaming block: its forward takes {arg.name!r}, state carried across "
                     "steps, so its shapes change every step; its fixed-shape parts are regions "
@@ -74,9 +84,6 @@ def stream_reason(view: ModelView, path: str) -> str | None:
             return (f"its forward takes a per-instance index {arg.name!r}: dynamo specializes "
                     "on the integer, so every block instance recompiles; its fixed-shape parts "
                     "are regions instead")
-    seg = path.split(".") if path else []
-    if len(seg) >= 2 and seg[-2] in STREAMING_CONTAINERS:
-        return _NAMED_STREAMING
     return None
 
 
@@ -100,10 +107,12 @@ def fixed_parts(view: ModelView, path: str) -> list[str]:
     """The largest parts of streaming block `path` that hold one shape and can pay.
 
     A child that streams itself (an attention module taking the cache) is searched in turn;
-    one that is a single layer or owns no tensors is skipped. Only a live model shows the
-    signatures this needs; a checkpoint's streaming block gets its attn.proj only.
+    one that is a single layer or owns no tensors is skipped. This needs the block's state to
+    come in through its forward arguments, where a child that does not take them cannot see
+    it. A block known to stream only by its name (``global_blocks``) may keep its cache inside
+    a child (the SDPA build's attention does), so it gets its attn.proj only, as a checkpoint's.
     """
-    if not view.live:
+    if not view.live or signature_reason(view, path) is None:
         return []
     out: list[str] = []
     stack = list(reversed(view.children(path)))

@@ -151,6 +151,34 @@ def test_streaming_blocks_are_left_out_and_planned_as_their_fixed_parts() -> Non
     assert "streaming block" in _left(found)["trunk.0"]
 
 
+class InnerCacheAttention(CacheAttention):
+    """The SDPA build's attention: the KV cache lives inside the module, not in its arguments."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.cache: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, self.cache)
+
+
+class InnerCacheBlock(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.attn, self.mlp = InnerCacheAttention(d), Mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x + self.attn(x))
+
+
+def test_a_block_streaming_by_name_only_gets_no_parts() -> None:
+    # A live `global_blocks.N` whose cache hides inside its attention: its forward arguments
+    # show nothing, so no child can be called fixed-shape; only attn.proj is planned.
+    found = _live(_model(global_blocks=nn.ModuleList([InnerCacheBlock(), InnerCacheBlock()])))
+    assert _kinds(found) == {ATTN_PROJ: ["global_blocks.0.attn.proj", "global_blocks.1.attn.proj"]}
+    assert "streaming" in _left(found)["global_blocks.0"]
+
+
 def test_a_per_instance_index_makes_a_block_streaming() -> None:
     found = _live(_model(layers=nn.ModuleList([IndexedBlock() for _ in range(3)])))
     assert _kinds(found) == {FIXED_PART: ["layers.0.mlp", "layers.1.mlp", "layers.2.mlp"]}
