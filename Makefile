@@ -12,6 +12,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.surgery-installed
 DEV    := $(VENV)/.surgery-dev-installed
 TORCH  ?= torch==2.13.0
+# torch as installed in the venv, as a constraint for every later pip call (see constraints.txt).
+PIN    := $(VENV)/torch-pin.txt
 DEMO   := .demo
 
 .PHONY: install test test-fast lint demo golden manifests wheel bench clean
@@ -19,17 +21,18 @@ DEMO   := .demo
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || { \
 		echo "== installing $(TORCH) (the long step, about a minute)"; \
 		$(BIN)/pip install --progress-bar on "$(TORCH)"; }
-	@echo "== installing surgery and its run-time dependencies"
-	$(BIN)/pip install --progress-bar on -e .
+	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(PIN)
+	@echo "== installing surgery and its run-time dependencies ($$(cat $(PIN)) kept)"
+	$(BIN)/pip install --progress-bar on -c constraints.txt -c $(PIN) -e .
 	touch $@
 
-$(DEV): $(STAMP)
-	@echo "== installing the test and lint tools (pytest, ruff, mypy, build)"
-	$(BIN)/pip install --progress-bar on -e ".[dev]"
+$(DEV): $(STAMP) constraints.txt
+	@echo "== installing the test and lint tools (pytest, ruff, mypy, build) and the zoo's timm, transformers, diffusers"
+	$(BIN)/pip install --progress-bar on -c constraints.txt -c $(PIN) -e ".[dev]"
 	touch $@
 
 install: $(DEV)
