@@ -45,6 +45,10 @@ INDEX_ARGS: frozenset[str] = frozenset({
 })
 INDEX_SUFFIXES: tuple[str, ...] = ("_idx",)
 
+# What a layer owns. A leaf module owning these and nothing else is one op even when its class is
+# not torch.nn's (transformers' GPT-2 `Conv1D` is a Linear with its weight transposed).
+LAYER_TENSORS: frozenset[str] = frozenset({"weight", "bias"})
+
 _NAMED_STREAMING = ("streaming block: its attention over a growing KV cache changes shape every "
                     "step; its fixed-shape parts are regions instead")
 
@@ -91,14 +95,15 @@ def single_layer(view: ModelView, path: str) -> str | None:
     """The class (or "layer") when the block at `path` is one layer, else None.
 
     One module owning tensors is one op in a checkpoint's view. A live model shows the class: a
-    torch.nn layer (Linear, Conv2d, a norm) is one op, while a model's own leaf module that owns
-    its weights directly may be a whole block, and stays one.
+    torch.nn layer (Linear, Conv2d, a norm), or any module owning just a weight and a bias, is
+    one op, while a model's own leaf module that owns other weights directly (``w1``, ``w2``)
+    may be a whole block, and stays one.
     """
     if view.owners(path) != 1:
         return None
     owner = next(p for p in view.subtree(path) if view.modules[p].tensors)
     node = view.modules[owner]
-    if view.live and not node.library_layer:
+    if view.live and not node.library_layer and not set(node.tensors) <= LAYER_TENSORS:
         return None
     return node.cls or "layer"
 

@@ -119,8 +119,12 @@ def _canonical_tensors(tensors: Mapping[str, TensorInfo], *, prefix: str | None,
     """
     from surgery.hygiene import model_keys
 
-    wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
     mk = model_keys(list(tensors), prefix=prefix)
+    if prefix:
+        wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
+    else:  # model_keys has just canonicalised every kept key: count from its answer
+        wrapped = sum(1 for k, c in mk.names.items() if c != k) + sum(
+            1 for k in mk.dropped if keymod.canonical_key(k) != k)
     if mk.collisions:
         raise keymod.collision_error(mk.collisions)
     if not mk.names:

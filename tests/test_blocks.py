@@ -134,9 +134,23 @@ def test_single_layers_in_a_checkpoint_and_real_blocks_beside_them() -> None:
     assert _left(found)["head.convs.2"].startswith("a single layer:")
 
 
-def test_a_models_own_leaf_block_stays_a_block() -> None:
-    found = _live(_model(blocks=nn.ModuleList([OwnWeights(), OwnWeights()])))
+class Conv1D(nn.Module):
+    """transformers' GPT-2 layer: a Linear with its weight transposed, not a torch.nn class."""
+
+    def __init__(self, nf: int = 8, nx: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+
+
+def test_a_models_own_leaf_block_stays_a_block_and_its_own_layer_does_not() -> None:
+    found = _live(_model(blocks=nn.ModuleList([OwnWeights(), OwnWeights()]),
+                         projs=nn.ModuleList([Conv1D(), Conv1D()])))
     assert _kinds(found) == {REPEATED_BLOCK: ["blocks.0", "blocks.1"]}
+    assert _left(found)["projs.0"].startswith("a single Conv1D:")
 
 
 def test_streaming_blocks_are_left_out_and_planned_as_their_fixed_parts() -> None:

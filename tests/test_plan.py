@@ -243,7 +243,8 @@ def test_cli_plan_falls_back_to_cpu_when_meta_fails(tmp_path, monkeypatch) -> No
         "    def __init__(self):\n"
         "        super().__init__()\n"
         "        n = int(torch.tensor(2).item())  # fails on the meta device\n"
-        "        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))\n"
+        "        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))\n"
+        "                                    for _ in range(n))\n"
         "def build():\n"
         "    return M()\n")
     monkeypatch.chdir(tmp_path)

@@ -135,7 +135,7 @@ def test_live_classes_split_repeated_blocks() -> None:
     class A(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(4, 4)
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)  # two layers: a block
 
     class B(A):
         pass

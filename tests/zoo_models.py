@@ -42,7 +42,7 @@ def gpt2() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2,
-                                      n_head=2))
+                                      n_head=2, bos_token_id=0, eos_token_id=0))
 
 
 def dit() -> Any:
@@ -123,12 +123,13 @@ def run_decode(model: Any) -> list[torch.Tensor]:
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (1, 12 + DECODE_STEPS), generator=g).to(_dev(model))
-    out = model(input_ids=ids[:, :12], past_key_values=DynamicCache(), use_cache=True)
+    cache = DynamicCache()  # transformers 5 names it `cache` (`past_key_values` is deprecated)
+    out = model(input_ids=ids[:, :12], cache=cache, use_cache=True)
     logits = [out.logits]
     for i in range(12, 12 + DECODE_STEPS):
-        out = model(input_ids=ids[:, i:i + 1], past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(input_ids=ids[:, i:i + 1], cache=out.cache, use_cache=True)
         logits.append(out.logits)
+    assert out.cache.get_seq_length() == 12 + DECODE_STEPS  # the cache really grew
     return logits
 
 
