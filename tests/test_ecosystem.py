@@ -190,7 +190,7 @@ def test_schemas_reject_what_they_should() -> None:
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make (the set-up path uses it)")
 def test_demo_installs_only_what_it_needs_and_says_so(tmp_path) -> None:
-    for name in ("Makefile", "pyproject.toml"):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
         (tmp_path / name).write_text((ROOT / name).read_text())
 
     def dry(target: str) -> list[str]:

@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 from zoo_models import CASES, ZooCase  # noqa: E402
 
 from surgery import apply_manifest  # noqa: E402
+from surgery.errors import FingerprintMismatchError  # noqa: E402
 from surgery.manifest import Manifest  # noqa: E402
 from surgery.plan import plan_checkpoint, plan_model  # noqa: E402
 
@@ -67,8 +68,10 @@ def _case_params(names: list[str] | None = None) -> list[Any]:
 
 
 @functools.cache
-def _plan(name: str) -> Manifest:
-    return plan_model(CASES[name].spec).manifest
+def _plan(name: str, dtype: str = "fp32") -> Manifest:
+    """The live plan, of the float32 model or of the model cast to bf16."""
+    spec = CASES[name].spec if dtype == "fp32" else f"zoo_models:bf16.{name}"
+    return plan_model(spec).manifest
 
 
 def _kinds(manifest: Manifest) -> dict[str, int]:
@@ -135,8 +138,13 @@ def _rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 
 def run_zoo_case(case: ZooCase, *, grad: str = "inference_mode", autocast: bool = False,
                  dtype: str = "fp32", backend: str = "aot_eager", device: str = "cpu",
-                 overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Eager outputs, then apply the live plan and run again; returns what the report says."""
+                 overrides: dict[str, Any] | None = None,
+                 planned: str | None = None) -> dict[str, Any]:
+    """Eager outputs, then apply the live plan and run again; returns what the report says.
+
+    The plan is of the model in `planned` (default: `dtype`); planning in fp32 and deploying in
+    bf16 is issue 11 D, tested on its own.
+    """
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = case.build().to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else None)
@@ -146,8 +154,8 @@ def run_zoo_case(case: ZooCase, *, grad: str = "inference_mode", autocast: bool 
         overrides = {**CPU_OVERRIDES, "backend": backend}
     with _mode(grad, autocast):
         ref = case.run(model)
-        handle = apply_manifest(model, _plan(case.name), warmup=case.run, passes=2,
-                                overrides=overrides)
+        handle = apply_manifest(model, _plan(case.name, planned or dtype), warmup=case.run,
+                                passes=2, overrides=overrides)
         try:
             got = case.run(model)
         finally:
@@ -206,6 +214,14 @@ MODES = {
 }
 
 
+# Planning happens on the float32 model (as checkpoints are saved); deploying in bf16 is refused
+# until the binding survives casts. Strict: the mark must go when that lands.
+BF16_BINDING = pytest.mark.xfail(
+    strict=True, raises=FingerprintMismatchError,
+    reason="issue 11 D: a manifest planned from the float32 model is refused on the same model "
+           "in bf16 (FingerprintMismatchError: the fingerprint covers dtypes)")
+
+
 def _mode_params() -> list[Any]:
     out = []
     for (grad, autocast, dtype), names in MODES.items():
@@ -221,6 +237,12 @@ def test_apply_matches_eager_in_other_modes(case: ZooCase, grad: str, autocast: 
                                             dtype: str) -> None:
     out = run_zoo_case(case, grad=grad, autocast=autocast, dtype=dtype)
     _check(out, dtype=dtype, autocast=autocast, paths=_paths(case))
+
+
+@BF16_BINDING
+@pytest.mark.parametrize("case", _case_params(["hf_bert"]))
+def test_a_plan_of_the_float32_model_applies_in_bf16(case: ZooCase) -> None:
+    run_zoo_case(case, dtype="bf16", planned="fp32")
 
 
 @pytest.mark.slow

@@ -76,6 +76,17 @@ def example_sdpa() -> Any:
     return tiny_sdpa()
 
 
+class _InBf16:
+    """``zoo_models:bf16.NAME`` builds model NAME cast to bf16, for a manifest planned in bf16."""
+
+    def __getattr__(self, name: str) -> Callable[[], Any]:
+        factory = globals()[name]
+        return lambda: factory().to(torch.bfloat16)
+
+
+bf16 = _InBf16()
+
+
 # --- drivers -----------------------------------------------------------------------------------
 
 def _dtype_of(model: Any) -> torch.dtype:
