@@ -146,6 +146,7 @@ def run_zoo_case(case: ZooCase, *, grad: str = "inference_mode", autocast: bool 
     bf16 is issue 11 D, tested on its own.
     """
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: the counts must be this run's
     torch.manual_seed(0)
     model = case.build().to(device=device, dtype=torch.bfloat16 if dtype == "bf16" else None)
     model.eval()
