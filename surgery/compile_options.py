@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from surgery.allowlist import compile_refusals
 from surgery.budget import DEFAULT_MAX_SIGNATURES
 from surgery.errors import RegionError
-from surgery.manifest import Manifest, Region
+from surgery.manifest import Manifest, Region, load_schema
 from surgery.resolve import closest_name
 
 # The compile keys a manifest (or an override) may set; anything else is a typo.
@@ -59,6 +60,14 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
 
     An override of ``None`` removes a key (e.g. ``{"mode": None, "options": {...}}``).
     """
+    # A manifest's settings are data (surgery.allowlist); a Manifest built in memory skipped the
+    # reader's validation, so its tables are checked again here. Overrides are the caller's code.
+    schema = load_schema()
+    for table, where in ((manifest.compile, "compile"), (region.compile,
+                                                        f"region {region.kind!r} compile")):
+        refused = compile_refusals(table, schema=schema, location=where)
+        if refused:
+            raise RegionError(refused[0].message, region=region.kind, hint=refused[0].hint)
     layers = [dict(manifest.compile), dict(region.compile), dict(overrides or {})]
     opts: dict[str, Any] = {}
     origin: dict[str, int] = {}
@@ -77,6 +86,8 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
                 opts[k], origin[k] = v, level
     notes: list[str] = []
     backend = str(opts.get("backend", "inductor"))
+    # The manifest's backend is one of a fixed set (checked above); an override is the caller's
+    # code, trusted to name any backend registered with torch.
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
         near = closest_name(backend, known)

@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from surgery.allowlist import manifest_refusals
+
 # write_text_atomic moved to surgery.atomic; re-exported for the modules that import it here.
 from surgery.atomic import write_text_atomic as write_text_atomic
 from surgery.errors import ManifestError
@@ -203,6 +205,13 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
     if problem is not None:
         _raise(f"{problem.location}: {problem.message}", path=path, location=problem.location,
                text=text, hint=problem.hint)
+    # Compile settings first: a setting outside the allowlist is refused with why (a manifest
+    # is data, surgery.allowlist), not with the schema's "additional properties" wording.
+    refused = manifest_refusals(data, schema=load_schema())
+    if refused:
+        first = refused[0]
+        _raise(first.message, path=path, location=first.location, text=text,
+               more=len(refused) - 1, hint=first.hint)
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(view), key=lambda e: list(map(str, e.absolute_path)))
     if errors:

@@ -7,7 +7,6 @@ closest real name, since a misspelt path (``fnn_residual``) would otherwise comp
 
 from __future__ import annotations
 
-import builtins
 import difflib
 import inspect
 import os
@@ -137,8 +136,17 @@ def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Modu
         raise RegionError(
             f"region path {path!r} names a submodule, not a method", region=path,
             hint=f"list {path!r} in a region with callable = \"forward\"")
-    attr = getattr(type(mod), name, None) if name not in vars(mod) else vars(mod)[name]
-    if attr is None or not builtins.callable(attr):
+    if (name.startswith("__") and name.endswith("__")) or hasattr(nn.Module, name):
+        # A manifest is data: it may pick one of the model's own methods, never a special method
+        # or nn.Module's API (__init__, __setattr__, state_dict, to), which apply would replace.
+        raise RegionError(
+            f"region path {path!r} names {name!r}, which is "
+            + ("a special method" if name.startswith("__") else "nn.Module's own API")
+            + f", not a method defined by {type(mod).__name__}", region=path,
+            hint="a method region names a plain method of the model's own class (e.g. "
+                 "attn_pre); to compile the whole module, use callable = \"forward\" on its path")
+    attr = _own_method(type(mod), name)
+    if attr is None:
         near = closest_name(name, _methods(mod))
         guess = f"{owner}.{near}" if near and owner != "the model" else near
         raise RegionError(
@@ -146,6 +154,18 @@ def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Modu
             f"method {name!r}" + (f"; did you mean {guess!r}?" if guess else ""),
             region=path, hint="fix the method name in the manifest, or plan it again")
     return mod, name
+
+
+def _own_method(klass: type, name: str) -> object | None:
+    """The plain function ``name`` that ``klass`` or a base below nn.Module defines, or None
+    (a staticmethod, classmethod, property or instance attribute is not a method region)."""
+    for base in klass.__mro__:
+        if base in (nn.Module, object):
+            return None
+        if name in vars(base):
+            found = vars(base)[name]
+            return found if inspect.isfunction(found) else None
+    return None
 
 
 def _methods(mod: nn.Module) -> list[str]:
