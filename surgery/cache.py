@@ -13,53 +13,67 @@ manifest's file name without ``.surgery.toml`` (or ``.toml``, ``.safetensors``,
 
 File layout (integers little-endian)::
 
-    8 bytes  magic  b"SGCACHE1"
-    8 bytes  u64    N, the length of the metadata
-    N bytes         metadata: UTF-8 JSON (what it is valid for, blob length and sha256)
-    the rest        the blob of save_cache_artifacts()
+    8 bytes   magic  b"SGCACHE2"
+    8 bytes   u64    N, the length of the metadata
+    8 bytes   u64    B, the length of the blob
+    32 bytes         HMAC-SHA256 under the deployer's key of the magic, N, B, metadata and blob
+    N bytes          metadata: UTF-8 JSON (what it is valid for)
+    B bytes          the blob of save_cache_artifacts()
 
-Everything is checked (magic, lengths, JSON, sha256 of the blob, then the environment) *before*
-torch sees a byte, and every problem becomes a reason string, never an exception: a stale or
-corrupt bundle must not stop a deployment; it only costs the compile it would have saved.
+A bundle is code: torch unpickles its artifacts and writes them into its caches, where they run
+again in later processes. A hash kept in the same file proves nothing against whoever wrote the
+file, so a bundle is trusted only when its MAC verifies with the key the deployer holds
+(surgery.signing: $SURGERY_CACHE_KEY or $SURGERY_CACHE_KEY_FILE). The checks, in order, all
+before torch sees a byte: magic and lengths against the file's size; the key is there; the MAC
+(constant-time compare), before any byte of the metadata is parsed; the metadata; the framing of
+the blob and every artifact key (surgery.artifacts, defence in depth); then the environment.
+Every problem becomes a one-line reason, never an exception: a stale, forged or corrupt bundle
+must not stop a deployment; it only costs the compile it would have saved. Format-1 bundles
+(``SGCACHE1``, written before bundles were signed) are never loaded; verify calls them unsigned.
 
-This module imports torch only inside the functions that need it: `surgery verify` reads a
-bundle's metadata and compares versions without importing torch.
+This module imports torch only inside the functions that need it: `surgery verify` checks a
+bundle's signature and compares versions without importing torch.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
-import platform
-import shutil
+import stat
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from surgery import __version__
-from surgery.errors import CacheBundleError, OutputExistsError
+from surgery.artifacts import ArtifactError, read_artifacts
+from surgery.bundle_env import ENV_KEYS, environment, environment_without_torch, same_torch
+from surgery.errors import (
+    CacheBundleError,
+    CacheKeyError,
+    CacheSignatureError,
+    OutputExistsError,
+)
 from surgery.manifest import MANIFEST_SUFFIX, Manifest
+from surgery.signing import ENV_KEY, ENV_KEY_FILE, load_key, mac, mac_matches, require_key
 
 if TYPE_CHECKING:
     from surgery.apply import ApplyHandle
 
 BUNDLE_SUFFIX = ".surgery.cache"
-MAGIC = b"SGCACHE1"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sQ")
+MAGIC = b"SGCACHE2"
+UNSIGNED_MAGIC = b"SGCACHE1"  # format 1, before bundles were signed: never loaded
+FORMAT_VERSION = 2
+_HEADER = struct.Struct("<8sQQ32s")
 # Metadata is a few KiB; a larger length means the file is not a bundle (or is garbage).
 _MAX_META = 16 * 2**20
 # Suffixes a manifest source may carry; the bundle's stem is the name without them.
 _MANIFEST_SUFFIXES = (MANIFEST_SUFFIX, ".toml", ".index.json", ".safetensors")
-# The environment keys a bundle must match, in the order reasons name them.
-ENV_KEYS = ("torch", "triton", "cuda", "device", "python", "platform")
+__all__ = ["ENV_KEYS", "environment", "environment_without_torch"]  # re-exported
+# A reason is one line of a report and of a warning; a signed record could still hold a megabyte.
+_REASON_MAX = 600
 # torch.compile counters (torch._dynamo.utils.counters) that show whether compiles hit a cache.
 _COUNTERS = {
     "fx_graph_hits": ("inductor", "fxgraph_cache_hit"),
@@ -94,154 +108,118 @@ def _canonical(overrides: Mapping[str, Any] | None) -> str:
     return json.dumps(dict(overrides or {}), sort_keys=True, default=str)
 
 
-# --- the environment -------------------------------------------------------------------------
-
-def _python() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
-
-
-def _platform() -> str:
-    return f"{sys.platform}-{platform.machine()}"
-
-
-def environment(*, device: str) -> dict[str, str | None]:
-    """What a bundle built here, for a model on ``device``, would be valid for (imports torch)."""
-    import torch
-
-    try:
-        import triton
-
-        triton_version: str | None = str(triton.__version__)
-    except ImportError:
-        triton_version = None
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    return {"torch": str(torch.__version__), "triton": triton_version,
-            "cuda": torch.version.cuda, "device": name, "python": _python(),
-            "platform": _platform()}
-
-
-def environment_without_torch(*, want_gpu: bool) -> tuple[dict[str, str | None], list[str]]:
-    """The same record read from package metadata, without importing torch (for `verify`).
-
-    Returns the record and what could not be checked. The GPU name comes from ``nvidia-smi``
-    when ``want_gpu`` and it is on PATH; otherwise it is unknown, and said so.
-    """
-    unchecked: list[str] = []
-    env: dict[str, str | None] = {"python": _python(), "platform": _platform(), "device": "cpu"}
-    # triton ships as `triton`, or as `pytorch-triton` with nightly builds of torch.
-    for name, dists in (("torch", ("torch",)), ("triton", ("triton", "pytorch-triton"))):
-        env[name] = None
-        for dist in dists:
-            try:
-                env[name] = importlib.metadata.version(dist)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    env["cuda"] = _torch_cuda_version()
-    if want_gpu:
-        gpu = _nvidia_smi_gpu()
-        env["device"] = gpu
-        if gpu is None:
-            unchecked.append("device")
-    return env, unchecked
-
-
-def _torch_cuda_version() -> str | None:
-    """torch.version.cuda, read from torch/version.py's text (find_spec does not import torch)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        try:
-            with open(os.path.join(folder, "version.py"), encoding="utf-8") as f:
-                for line in f:
-                    if line.startswith("cuda"):
-                        value = line.split("=", 1)[1].strip().strip("'\"")
-                        return None if value == "None" else value
-        except OSError:
-            continue
-    return None
-
-
-def _nvidia_smi_gpu() -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    return names[0] if names else None
-
-
 # --- the file ---------------------------------------------------------------------------------
 
-def write_bundle(path: str, blob: bytes, metadata: Mapping[str, Any], *,
+def write_bundle(path: str, blob: bytes, metadata: Mapping[str, Any], *, key: bytes,
                  force: bool = True) -> int:
-    """Write header + metadata + blob to a temporary file beside ``path``, then rename it.
+    """Sign header + metadata + blob with ``key`` and write them beside ``path``, then rename.
 
-    The blob's length and sha256 are added to the metadata here, so a reader can prove the
-    blob intact before torch deserialises it. Returns the bytes written.
+    Returns the bytes written.
     """
     from surgery.manifest import write_text_atomic
 
-    meta = {**metadata, "blob": {"bytes": len(blob),
-                                 "sha256": hashlib.sha256(blob).hexdigest()}}
+    meta = {**metadata, "blob": {"bytes": len(blob)}}
     text = json.dumps(meta, indent=1, sort_keys=True).encode("utf-8")
-    data = _HEADER.pack(MAGIC, len(text)) + text + blob
+    lengths = struct.pack("<QQ", len(text), len(blob))
+    tag = mac(key, MAGIC, lengths, text, blob)
+    data = MAGIC + lengths + tag + text + blob
     write_text_atomic(path, data, force=force)
     return len(data)
 
 
-def read_bundle(path: str, *, with_blob: bool = True) -> tuple[dict[str, Any], bytes | None]:
-    """(metadata, blob) of a bundle, after checking its header, lengths and sha256.
+def _untrusted(path: str, state: str, why: str, hint: str) -> CacheSignatureError:
+    return CacheSignatureError(f"{path}: {why}", path=path, state=state, hint=hint)
 
-    Raises CacheBundleError naming what is wrong. ``with_blob=False`` still reads and hashes
-    the blob (a truncated or altered bundle must not read as valid) but does not return it.
+
+def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
+                ) -> tuple[dict[str, Any], bytes | None]:
+    """(metadata, blob) of a bundle whose signature verifies with ``key``.
+
+    Raises CacheSignatureError when it is unsigned, there is no key, or the MAC does not
+    verify; CacheBundleError for anything else wrong (lengths, metadata, artifact keys).
+    Nothing of the file but its fixed-size header is interpreted before the MAC verifies.
     """
     try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open below forever
+            raise CacheBundleError(f"{path}: not a regular file", path=path, hint=_REBUILD)
         with open(path, "rb") as f:
             head = f.read(_HEADER.size)
-            if len(head) < _HEADER.size or head[:8] != MAGIC:
+            if head[:8] == UNSIGNED_MAGIC:
+                raise _untrusted(path, "unsigned", "unsigned (format 1, written before bundles "
+                                 "were signed), so it is never loaded", _REBUILD)
+            if head[:8] != MAGIC:
                 raise CacheBundleError(f"{path}: not a surgery compile-cache bundle (bad magic)",
                                        path=path, hint=_REBUILD)
-            _, n = _HEADER.unpack(head)
+            if len(head) < _HEADER.size:
+                raise CacheBundleError(f"{path}: truncated inside its header", path=path,
+                                       hint=_REBUILD)
+            _, n, b, tag = _HEADER.unpack(head)
             if n > _MAX_META:
                 raise CacheBundleError(f"{path}: corrupt header (metadata length {n})",
                                        path=path, hint=_REBUILD)
+            want = _HEADER.size + n + b
+            if info.st_size != want:
+                what = "truncated" if info.st_size < want else "damaged"
+                raise CacheBundleError(f"{path}: {what}: the file is {info.st_size} bytes, its "
+                                       f"header says {want}", path=path, hint=_REBUILD)
+            if key is None:
+                raise _untrusted(path, "no-key", f"no key to check its signature (neither "
+                                 f"{ENV_KEY} nor {ENV_KEY_FILE} is set), so it is not loaded",
+                                 _KEY_HINT)
             raw = f.read(n)
-            if len(raw) < n:
-                raise CacheBundleError(f"{path}: truncated inside its metadata", path=path,
-                                       hint=_REBUILD)
-            blob = f.read()
+            blob = f.read(b)
     except FileNotFoundError:
         raise CacheBundleError(f"{path}: no such bundle", path=path,
                                hint="build one with `surgery warm` or handle.save_cache()"
                                ) from None
     except OSError as e:
         raise CacheBundleError(f"{path}: cannot read: {e.strerror}", path=path) from None
+    if len(raw) != n or len(blob) != b:
+        raise CacheBundleError(f"{path}: truncated while it was read", path=path, hint=_REBUILD)
+    if not mac_matches(key, tag, MAGIC, head[8:24], raw, blob):
+        raise _untrusted(path, "bad-signature", "signature does not verify: it was signed with "
+                         "another key, or changed since it was signed", _REBUILD)
+    meta = _parse_metadata(raw, path)
     try:
-        meta = json.loads(raw.decode("utf-8"))
-        want = int(meta["blob"]["bytes"])
-        sha = str(meta["blob"]["sha256"])
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-        raise CacheBundleError(f"{path}: corrupt metadata (not the JSON record surgery writes)",
-                               path=path, hint=_REBUILD) from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise CacheBundleError(f"{path}: bundle format {meta.get('format')!r}, this surgery "
-                               f"reads format {FORMAT_VERSION}", path=path, hint=_REBUILD)
-    if len(blob) != want:
-        raise CacheBundleError(f"{path}: truncated: the blob is {len(blob)} bytes, the header "
-                               f"says {want}", path=path, hint=_REBUILD)
-    if hashlib.sha256(blob).hexdigest() != sha:
-        raise CacheBundleError(f"{path}: corrupt: the blob's sha256 does not match its header",
-                               path=path, hint=_REBUILD)
+        read_artifacts(blob)
+    except ArtifactError as e:
+        raise CacheBundleError(f"{path}: refused: {e}", path=path, hint=_REBUILD) from None
     return meta, blob if with_blob else None
 
 
+def _parse_metadata(raw: bytes, path: str) -> dict[str, Any]:
+    """The signed record, checked for the shape surgery writes (it is the key holder's, but a
+    holder's bug must not become an exception in a deployment either)."""
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict) or not all(
+            isinstance(meta.get(k), dict) for k in ("manifest", "env", "blob")) or \
+            not isinstance(meta.get("overrides", {}), dict):
+        raise CacheBundleError(f"{path}: corrupt metadata (not the JSON record surgery writes)",
+                               path=path, hint=_REBUILD)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CacheBundleError(f"{path}: bundle format {_short(meta.get('format'))}, this "
+                               f"surgery reads format {FORMAT_VERSION}", path=path, hint=_REBUILD)
+    return meta
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def one_line(reason: str) -> str:
+    """A reason as one bounded line (a warning, a report row, a verify note)."""
+    text = " ".join(reason.split())
+    return text if len(text) <= _REASON_MAX else text[:_REASON_MAX] + "...(cut)"
+
+
 _REBUILD = "build it again on this machine: `surgery warm ...` (or handle.save_cache())"
+_KEY_HINT = (f"set {ENV_KEY_FILE} (or {ENV_KEY}) to the key the bundle was signed with, "
+             "where it is loaded")
 
 
 def mismatches(meta: Mapping[str, Any], *, fingerprint: str, key: str,
@@ -262,7 +240,9 @@ def mismatches(meta: Mapping[str, Any], *, fingerprint: str, key: str,
     for k in ENV_KEYS:
         if k in skip:
             continue
-        if built.get(k) != env.get(k):
+        same = same_torch(built.get(k), env.get(k)) if k == "torch" else \
+            built.get(k) == env.get(k)
+        if not same:
             out.append(f"{k} {built.get(k)} when built, {env.get(k)} here")
     return out
 
@@ -280,31 +260,45 @@ def _api_missing() -> str | None:
 
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
                 device: str) -> tuple[bool, str]:
-    """Hand the bundle to ``torch.compiler.load_cache_artifacts`` if, and only if, it fits.
+    """Hand the bundle to ``torch.compiler.load_cache_artifacts`` if, and only if, it is signed
+    with the deployer's key (surgery.signing) and fits this manifest and machine.
 
-    Returns (loaded, reason). Never raises for a bad bundle: the caller compiles as usual.
+    Returns (loaded, one-line reason). Never raises for a bad bundle: the caller compiles as
+    usual. No byte of the bundle reaches torch unless every check passed.
     """
-    missing = _api_missing()
-    if missing:
-        return False, missing
     try:
-        meta, blob = read_bundle(path)
-    except CacheBundleError as e:
-        return False, e.message
-    assert blob is not None
-    why = mismatches(meta, fingerprint=manifest.fingerprint, key=manifest_key(manifest),
-                     overrides=overrides or {}, env=environment(device=device))
-    if why:
-        return False, f"{path} does not fit: " + "; ".join(why)
+        blob, why = _admit(path, manifest=manifest, overrides=overrides, device=device)
+    except Exception as e:  # a bundle must never stop a deployment, whatever is in it
+        return False, one_line(f"{path}: unreadable ({type(e).__name__})")
+    if blob is None:
+        return False, one_line(why)
     import torch
 
     try:
         info = torch.compiler.load_cache_artifacts(blob)
     except Exception as e:  # torch's own deserialiser: any failure means "compile as usual"
-        return False, f"{path}: torch could not load it ({type(e).__name__}: {e})"
+        return False, one_line(f"{path}: torch could not load it ({type(e).__name__}: {e})")
     if info is None:
         return False, f"{path}: torch could not deserialise the blob (see its log above)"
     return True, f"{path}: {_describe(_artifact_counts(info))}"
+
+
+def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
+           device: str) -> tuple[bytes | None, str]:
+    """(blob, "") when the bundle may be loaded, else (None, why)."""
+    missing = _api_missing()
+    if missing:
+        return None, missing
+    try:
+        key = load_key()
+        meta, blob = read_bundle(path, key=key)
+    except (CacheBundleError, CacheKeyError) as e:
+        return None, e.message
+    why = mismatches(meta, fingerprint=manifest.fingerprint, key=manifest_key(manifest),
+                     overrides=overrides or {}, env=environment(device=device))
+    if why:
+        return None, f"{path} does not fit: " + "; ".join(why)
+    return blob, ""
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:
@@ -349,13 +343,16 @@ def bundle_metadata(manifest: Manifest, *, overrides: Mapping[str, Any] | None,
 
 
 def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-                device: str, force: bool = True) -> SavedBundle:
-    """Serialise this process's compile caches into a bundle bound to ``manifest``.
+                device: str, force: bool = True, key: bytes | None = None) -> SavedBundle:
+    """Serialise this process's compile caches into a bundle bound to ``manifest``, signed with
+    ``key`` (default: the deployer's key from the environment, surgery.signing).
 
     torch records every artifact compiled (or loaded from a cache) in this process, so call it
     after warm-up, in a process that compiled this model only.
     """
     import torch
+
+    key = key if key is not None else require_key()
 
     if not hasattr(torch.compiler, "save_cache_artifacts"):
         raise CacheBundleError(f"torch {torch.__version__} has no "
@@ -373,7 +370,7 @@ def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
     blob, info = saved
     meta = bundle_metadata(manifest, overrides=overrides, env=environment(device=device),
                            artifacts=_artifact_counts(info))
-    size = write_bundle(path, blob, meta, force=force)
+    size = write_bundle(path, blob, meta, key=key, force=force)
     meta["blob"] = {"bytes": len(blob)}
     return SavedBundle(path, size, meta)
 
@@ -411,7 +408,8 @@ class CacheRecord:
         return state + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")
 
 
-def save_from_handle(handle: ApplyHandle, path: str | None, *, force: bool) -> SavedBundle:
+def save_from_handle(handle: ApplyHandle, path: str | None, *, force: bool,
+                     key: bytes | None = None) -> SavedBundle:
     """The body of ``ApplyHandle.save_cache``: the default path, then `save_bundle`."""
     if path is None:
         if not handle.manifest.source_path:
@@ -420,7 +418,7 @@ def save_from_handle(handle: ApplyHandle, path: str | None, *, force: bool) -> S
                 path="", hint="pass a path: handle.save_cache('model.surgery.cache')")
         path = default_bundle_path(handle.manifest.source_path)
     saved = save_bundle(path, manifest=handle.manifest, overrides=handle._overrides,
-                        device=handle._device, force=force)
+                        device=handle._device, force=force, key=key)
     if handle.report.cache is None:
         handle.report.cache = CacheRecord()
     handle.report.cache.saved_to = path
@@ -429,22 +427,46 @@ def save_from_handle(handle: ApplyHandle, path: str | None, *, force: bool) -> S
 
 # --- surgery verify ---------------------------------------------------------------------------
 
-def check_beside(manifest: Manifest) -> tuple[str, bool | None, str] | None:
-    """(bundle path, valid here?, why) for the bundle beside a manifest file; None if none.
+@dataclass
+class BundleCheck:
+    """What verify says about the bundle beside a manifest.
 
-    Without importing torch: versions come from package metadata, the GPU from nvidia-smi.
-    ``valid`` is None when everything checked matches but the GPU could not be checked.
+    ``state``: "fits", "gpu-unchecked", "mismatch", or why it cannot be trusted or read:
+    "unsigned", "no-key", "bad-signature", "bad-key", "corrupt".
+    """
+
+    path: str
+    state: str
+    reason: str
+
+    @property
+    def valid(self) -> bool | None:
+        return True if self.state == "fits" else None if self.state == "gpu-unchecked" else False
+
+
+def check_beside(manifest: Manifest) -> BundleCheck | None:
+    """The bundle beside a manifest file, checked as apply_manifest would; None if none.
+
+    Without importing torch: the signature with the deployer's key, then versions from torch's
+    version.py and package metadata, the GPU from nvidia-smi. "gpu-unchecked" when everything
+    checked matches but the GPU could not be checked.
     """
     if not manifest.source_path:
         return None
     path = default_bundle_path(manifest.source_path)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        meta, _ = read_bundle(path, with_blob=False)
+        key = load_key()
+    except CacheKeyError as e:
+        return BundleCheck(path, "bad-key", one_line(e.message))
+    try:
+        meta, _ = read_bundle(path, key=key, with_blob=False)
+    except CacheSignatureError as e:
+        return BundleCheck(path, e.state, one_line(e.message))
     except CacheBundleError as e:
-        return path, False, e.message
-    built = meta.get("env", {})
+        return BundleCheck(path, "corrupt", one_line(e.message))
+    built = meta["env"]
     gpu = built.get("device") not in (None, "cpu")
     env, unchecked = environment_without_torch(want_gpu=gpu)
     why = mismatches(meta, fingerprint=manifest.fingerprint, key=manifest_key(manifest),
@@ -453,9 +475,10 @@ def check_beside(manifest: Manifest) -> tuple[str, bool | None, str] | None:
     extra = (f"; apply_manifest must be given the same overrides {_canonical(over)}"
              if over else "")
     if why:
-        return path, False, "; ".join(why)
-    valid_for = f"torch {built.get('torch')} on {built.get('device')}"
+        return BundleCheck(path, "mismatch", one_line("; ".join(why)))
+    valid_for = f"torch {built.get('torch')} on {built.get('device')}, signature verified"
     if unchecked:
-        return path, None, (f"valid for {valid_for}; the GPU was not checked (no nvidia-smi, "
-                            "and verify does not import torch)" + extra)
-    return path, True, f"valid for {valid_for}" + extra
+        return BundleCheck(path, "gpu-unchecked", one_line(
+            f"valid for {valid_for}; the GPU was not checked (no nvidia-smi, and verify does "
+            "not import torch)" + extra))
+    return BundleCheck(path, "fits", one_line(f"valid for {valid_for}" + extra))

@@ -626,17 +626,23 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--overrides", "overrides", multiple=True, metavar="KEY=VALUE",
               callback=_parse_overrides, help="Compile overrides over every region (e.g. "
               "on_cpu=compile, mode=null). Deployment must pass the same. Repeatable.")
+@click.option("--key-file", metavar="PATH", type=click.Path(dir_okay=False),
+              help="The key that signs the bundle (default: $SURGERY_CACHE_KEY, else "
+              "$SURGERY_CACHE_KEY_FILE). Deployment loads only bundles signed with its key.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
 @handle_errors
 def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
          dtype: str | None, output: str | None, force: bool, overrides: dict[str, Any],
-         as_json: bool) -> None:
+         key_file: str | None, as_json: bool) -> None:
     """Compile the manifest's regions once and save the compile caches as a bundle.
 
     \b
     Deployment then loads it before compiling, and skips the compiles it holds:
       apply_manifest(model, "model.surgery.toml", cache=True, warmup=...)
-    It is loaded only on the same torch / triton / CUDA / GPU and for the same manifest.
+    It is loaded only on the same torch / triton / CUDA / GPU and for the same manifest,
+    and only when signed with the deployer's key: make one with
+    python -c "import secrets;print(secrets.token_hex(32))" > cache.key, then set
+    SURGERY_CACHE_KEY_FILE=cache.key here and where the bundle is loaded.
 
     \b
     Example:
@@ -646,7 +652,8 @@ def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
     from surgery.warm import warm_start
 
     result = warm_start(model_spec, manifest=manifest, input_spec=input_spec, device=device,
-                        dtype=dtype, out=output, force=force, overrides=overrides)
+                        dtype=dtype, out=output, force=force, overrides=overrides,
+                        key_file=key_file)
     if as_json:
         emit_json({"bundle": result.bundle.path, "bytes": result.bundle.bytes,
                    "seconds": round(result.seconds, 3), "metadata": result.bundle.metadata,

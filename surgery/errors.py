@@ -106,3 +106,19 @@ class CacheBundleError(SurgeryError):
     def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.path = path
+
+
+class CacheKeyError(SurgeryError):
+    """No usable key to sign or check compile-cache bundles: none set, unreadable, or too short.
+
+    Building a bundle (`surgery warm`, ``handle.save_cache()``) raises it; loading one turns it
+    into the reason the bundle is ignored.
+    """
+
+
+class CacheSignatureError(CacheBundleError):
+    """A bundle that cannot be trusted: ``state`` is "unsigned", "no-key" or "bad-signature"."""
+
+    def __init__(self, message: str, *, path: str, state: str, hint: str | None = None) -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.state = state

@@ -236,24 +236,43 @@ def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None) -> list
 
 
 def _check_cache_bundle(m: Manifest) -> list[Finding]:
-    """A note on the compile-cache bundle beside the manifest, if there is one (no torch)."""
+    """A note on the compile-cache bundle beside the manifest, if there is one (no torch).
+
+    "Fits" only when its signature verifies with the deployer's key and everything it was
+    built for matches; otherwise why apply_manifest will ignore it, and the fix for that.
+    """
     from surgery.cache import check_beside
+    from surgery.signing import ENV_KEY, ENV_KEY_FILE, MAKE_KEY
 
     found = check_beside(m)
     if found is None:
         return []
-    path, valid, why = found
+    path, valid, why = found.path, found.valid, found.reason
     if valid is False:
-        return [Finding(
-            "SG302", NOTE, "the compile-cache bundle beside the manifest will be ignored here",
-            None, [], "rebuild it on the deployment machine: surgery warm --model PKG.MOD:FACTORY "
-            f"--manifest {m.source_path} --input PKG.MOD:INPUT_FACTORY --force",
-            [path, why], {"bundle": path, "valid": False, "reason": why})]
+        rebuild = ("rebuild it on the deployment machine: surgery warm --model PKG.MOD:FACTORY "
+                   f"--manifest {m.source_path} --input PKG.MOD:INPUT_FACTORY --force")
+        fix = {"no-key": f"set {ENV_KEY_FILE} (or {ENV_KEY}) to the key the bundle was signed "
+                         "with, then verify again",
+               "bad-key": f"fix {ENV_KEY_FILE} / {ENV_KEY}; make a key with `{MAKE_KEY}`",
+               "bad-signature": "do not use it: it was not signed with your key. " + rebuild,
+               }.get(found.state, rebuild)
+        title = {"unsigned": "the compile-cache bundle beside the manifest is unsigned",
+                 "no-key": "the compile-cache bundle beside the manifest cannot be checked: "
+                           "no key to check it",
+                 "bad-key": "the compile-cache bundle beside the manifest cannot be checked: "
+                            "the key is unusable",
+                 "bad-signature": "the compile-cache bundle beside the manifest: signature "
+                                  "does not verify",
+                 }.get(found.state, "the compile-cache bundle beside the manifest will be "
+                                    "ignored here")
+        return [Finding("SG302", NOTE, title, None, [], fix, [path, why],
+                        {"bundle": path, "valid": False, "state": found.state, "reason": why})]
     title = ("the compile-cache bundle beside the manifest fits this machine" if valid else
              "the compile-cache bundle beside the manifest fits, except the GPU, not checked")
     return [Finding("SG301", NOTE, title, None, [],
                     f"deploy with apply_manifest(model, {m.source_path!r}, cache=True)",
-                    [path, why], {"bundle": path, "valid": valid, "reason": why})]
+                    [path, why], {"bundle": path, "valid": valid, "state": found.state,
+                                  "reason": why})]
 
 
 # --- verify --deep --------------------------------------------------------------------------

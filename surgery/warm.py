@@ -5,14 +5,17 @@ The bundle's format and its checks live in surgery.cache; this is the command's 
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from surgery.cache import SavedBundle, default_bundle_path
-from surgery.errors import CacheBundleError, OutputExistsError, SurgeryError
+from surgery.cache import SavedBundle, default_bundle_path, save_from_handle
+from surgery.errors import CacheBundleError, OutputExistsError
+from surgery.signing import require_key
 
 
 @dataclass
@@ -38,10 +41,48 @@ def _call_with(model: Any, example: Any) -> Any:
     return model(example)
 
 
+def _inputs(manifest: str, *, key_file: str | None, factories: list[Callable[..., Any]]
+            ) -> list[str]:
+    """Every file warm reads: the manifest (and the shards of a sharded export's index), the
+    key file, and the modules of the factories. The bundle may overwrite none of them."""
+    files = [manifest] + ([key_file] if key_file else [])
+    if manifest.endswith(".index.json"):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                shards = json.load(f).get("weight_map", {}).values()
+            folder = os.path.dirname(manifest)
+            files += [os.path.join(folder, s) for s in set(shards) if isinstance(s, str)]
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass  # reading the manifest reports a broken index; here it only adds names
+    for factory in factories:
+        module = sys.modules.get(getattr(factory, "__module__", "") or "")
+        file = getattr(module, "__file__", None)
+        if file:
+            files.append(str(file))
+    return files
+
+
+def _refuse_overwriting_inputs(target: str, inputs: list[str]) -> None:
+    """--force replaces an old bundle, never the manifest or anything else warm reads."""
+    real = os.path.realpath(target)
+    for i, path in enumerate(inputs):
+        if os.path.realpath(path) == real or _same_file(target, path):
+            what = "the manifest being warmed" if i == 0 else f"{path!r}, an input of this command"
+            raise CacheBundleError(
+                f"output {target!r} is {what}: writing the bundle there would destroy it",
+                path=target, hint="write the bundle elsewhere with -o (default: beside the "
+                                  "manifest, as STEM.surgery.cache); inputs are never modified")
+
+
 def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str | None = None,
                dtype: str | None = None, out: str | None = None, force: bool = False,
-               overrides: Mapping[str, Any] | None = None) -> WarmResult:
+               overrides: Mapping[str, Any] | None = None, key_file: str | None = None
+               ) -> WarmResult:
     """Build the model, apply the manifest, warm up with the example input, save the bundle.
+
+    The bundle is signed with the deployer's key (``key_file``, else $SURGERY_CACHE_KEY or
+    $SURGERY_CACHE_KEY_FILE: surgery.signing); without one nothing is compiled and a
+    CacheKeyError says how to make one. The output may not be any file this command reads.
 
     ``input_spec`` names a factory that receives the model and returns its input (a tensor,
     a tuple of positional arguments or a dict of keyword arguments). Warm-up runs under
@@ -54,10 +95,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
 
     m = resolve_manifest(manifest)
     target = out or default_bundle_path(m.source_path or manifest)
-    if _same_file(target, manifest):
-        raise SurgeryError(f"output {target!r} is the manifest being warmed",
-                           hint="write the bundle elsewhere with -o (default: beside the "
-                                "manifest, as STEM.surgery.cache); inputs are never modified")
+    _refuse_overwriting_inputs(target, _inputs(manifest, key_file=key_file, factories=[]))
+    key = require_key(key_file)  # before any work: an unsigned bundle is never written
     if os.path.exists(target) and not force:
         raise OutputExistsError(target)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,6 +106,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     factory = load_factory(model_spec)
     make_input: Callable[[Any], Any] = load_factory(input_spec)
+    _refuse_overwriting_inputs(target, _inputs(manifest, key_file=key_file,
+                                               factories=[factory, make_input]))
     try:
         model = factory()
     except Exception as e:  # the user's factory may fail in any way
@@ -98,6 +139,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
             f"no region ran compiled code in warm-up, so there is nothing to cache{why}",
             path=target, hint="on the CPU, CUDA-graph regions run eager: pass --overrides "
             "on_cpu=compile (and the same overrides to apply_manifest), or warm up on the GPU")
-    saved = handle.save_cache(target, force=force)
-    handle.restore()
+    try:
+        saved = save_from_handle(handle, target, force=force, key=key)
+    finally:
+        handle.restore()
     return WarmResult(saved, handle.report, seconds)

@@ -1,0 +1,100 @@
+"""The deployer's key for compile-cache bundles, and the HMAC-SHA256 that binds a bundle to it.
+
+A bundle is code: torch unpickles its artifacts and writes them into its caches. A hash stored
+in the same file proves nothing (an attacker recomputes it), so a bundle carries an HMAC-SHA256
+over everything it holds, made with a key only the deployer has, and is loaded only when that
+MAC verifies (compared in constant time) *before* any of its bytes is parsed or given to torch.
+
+The key comes from code (``key_file=``, ``surgery warm --key-file``) or from the environment:
+``SURGERY_CACHE_KEY`` (64 hex digits, or any text of 16 bytes or more) or
+``SURGERY_CACHE_KEY_FILE`` (a file holding the same). Without one, building a bundle is refused
+and loading one is skipped. Make one with
+``python -c "import secrets;print(secrets.token_hex(32))"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import string
+from collections.abc import Mapping
+
+from surgery.errors import CacheKeyError
+
+ENV_KEY = "SURGERY_CACHE_KEY"
+ENV_KEY_FILE = "SURGERY_CACHE_KEY_FILE"
+MIN_KEY_BYTES = 16  # 128 bits; `secrets.token_hex(32)` gives 32 bytes
+MAKE_KEY = 'python -c "import secrets;print(secrets.token_hex(32))"'
+# Separates this MAC from any other use of the same key.
+_DOMAIN = b"surgery compile-cache bundle\x00"
+_KEY_FILE_MAX = 4096
+_HOW = (f"make a key once with `{MAKE_KEY} > cache.key` (keep it private), then set "
+        f"{ENV_KEY_FILE}=cache.key (or {ENV_KEY}=<the hex>) where bundles are built and loaded")
+
+
+def _decode(raw: bytes, *, where: str) -> bytes:
+    """Hex when the text is hex (what `secrets.token_hex` prints), else the bytes themselves."""
+    text = raw.strip()
+    try:
+        s = text.decode("ascii")
+    except UnicodeDecodeError:
+        s = ""
+    key = bytes.fromhex(s) if s and len(s) % 2 == 0 and all(
+        c in string.hexdigits for c in s) else text
+    if len(key) < MIN_KEY_BYTES:
+        raise CacheKeyError(f"the cache key from {where} is {len(key)} bytes; at least "
+                            f"{MIN_KEY_BYTES} are needed", hint=_HOW)
+    return key
+
+
+def _read_key_file(path: str, *, where: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_KEY_FILE_MAX + 1)
+    except OSError as e:
+        raise CacheKeyError(f"cannot read the cache key file {path!r} ({where}): "
+                            f"{e.strerror or type(e).__name__}", hint=_HOW) from None
+    if len(raw) > _KEY_FILE_MAX:
+        raise CacheKeyError(f"the cache key file {path!r} ({where}) is larger than "
+                            f"{_KEY_FILE_MAX} bytes: not a key", hint=_HOW)
+    return _decode(raw, where=f"{where} {path!r}")
+
+
+def load_key(key_file: str | os.PathLike[str] | None = None, *,
+             environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The key: ``key_file`` if given, else $SURGERY_CACHE_KEY, else $SURGERY_CACHE_KEY_FILE.
+
+    None when none is set; CacheKeyError when one is set but unusable (unreadable, too short).
+    """
+    env = os.environ if environ is None else environ
+    if key_file is not None:
+        return _read_key_file(os.fspath(key_file), where="--key-file")
+    if env.get(ENV_KEY):
+        return _decode(env[ENV_KEY].encode("utf-8", "surrogateescape"), where=f"${ENV_KEY}")
+    if env.get(ENV_KEY_FILE):
+        return _read_key_file(env[ENV_KEY_FILE], where=f"${ENV_KEY_FILE}")
+    return None
+
+
+def require_key(key_file: str | os.PathLike[str] | None = None) -> bytes:
+    """The key, or CacheKeyError saying how to make one (building a bundle needs it)."""
+    key = load_key(key_file)
+    if key is None:
+        raise CacheKeyError(f"no key to sign the compile-cache bundle: neither {ENV_KEY} nor "
+                            f"{ENV_KEY_FILE} is set (a bundle is code, so it is loaded only "
+                            "when signed by a key its deployer holds)", hint=_HOW)
+    return key
+
+
+def mac(key: bytes, *chunks: bytes) -> bytes:
+    """HMAC-SHA256 of the chunks, in order, under ``key``."""
+    h = hmac.new(key, _DOMAIN, hashlib.sha256)
+    for chunk in chunks:
+        h.update(chunk)
+    return h.digest()
+
+
+def mac_matches(key: bytes, expected: bytes, *chunks: bytes) -> bool:
+    """Whether ``expected`` is the MAC of the chunks under ``key`` (constant-time compare)."""
+    return hmac.compare_digest(mac(key, *chunks), expected)

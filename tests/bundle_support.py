@@ -1,0 +1,52 @@
+"""Build torch's Mega-Cache framing by hand (torch.utils._appending_byte_serializer's layout), so
+tests can forge the blobs an attacker would, without torch writing them."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import zlib
+from pathlib import Path
+
+KEY_HEX = "5e" * 32  # what `secrets.token_hex(32)` prints: 64 hex digits
+KEY = bytes.fromhex(KEY_HEX)
+
+
+def torch_cache_blob(groups: list[tuple[str, list[tuple[str, bytes]]]]) -> bytes:
+    """crc32 | u64 version 1 | per type: name, count, per artifact: key, content."""
+    body = bytearray((1).to_bytes(8, "big"))
+
+    def chunk(b: bytes) -> None:
+        body.extend(len(b).to_bytes(8, "big"))
+        body.extend(b)
+
+    for kind, artifacts in groups:
+        chunk(base64.b64encode(kind.encode()))
+        body.extend(len(artifacts).to_bytes(8, "big"))
+        for key, content in artifacts:
+            chunk(base64.b64encode(key.encode()))
+            chunk(content)
+    return zlib.crc32(bytes(body)).to_bytes(4, "big") + bytes(body)
+
+
+class _Touch:
+    """A pickle that creates ``path`` when it is loaded: the payload of a forged artifact."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def payload_blob(marker: Path, *, traversal: Path | None = None) -> bytes:
+    """An inductor artifact whose pickle creates ``marker`` when torch loads it, and, with
+    ``traversal``, an autotune artifact whose key is that absolute path (torch writes there)."""
+    groups: list[tuple[str, list[tuple[str, bytes]]]] = [
+        ("inductor", [("fevilgraph", pickle.dumps(_Touch(marker)))])]
+    if traversal is not None:
+        groups.append(("autotune", [(str(traversal), b'{"pwned": 1}')]))
+    return torch_cache_blob(groups)
+
+
+EMPTY_BLOB = torch_cache_blob([])
