@@ -498,3 +498,13 @@ def test_warm_never_overwrites_its_input_through_a_link(warm_site, no_key) -> No
                                  "--force"])
     assert r.exit_code == 3 and "is the manifest being warmed" in r.output, r.output
     assert (warm_site / "net.surgery.toml").read_bytes() == before
+
+
+def test_save_cache_without_a_key_refuses_and_writes_nothing(site, no_key) -> None:
+    model, x = _net(), torch.randn(2, 8)
+    with torch.no_grad(), apply_manifest(model, str(site / "net.surgery.toml"),
+                                         warmup=lambda m: m(x), overrides=AOT) as handle, \
+            pytest.raises(CacheKeyError, match="no key to sign") as info:
+        handle.save_cache()
+    assert "secrets.token_hex(32)" in (info.value.hint or "")
+    assert not (site / "net.surgery.cache").exists()
