@@ -143,6 +143,9 @@ def test_apply_manifest_refuses_the_attack_embedded_in_a_safetensors(tmp_path, m
     with pytest.raises(ManifestError) as info, torch.no_grad():
         apply_manifest(model, str(path), warmup=lambda m: m(x))
     _refused(str(info.value))
+    r = CliRunner().invoke(cli, ["check", str(path)])  # check reads an export's manifest too
+    assert r.exit_code == 3, r.output
+    _refused(r.output)
     assert not marker.exists()
 
 
