@@ -67,12 +67,30 @@ def _at(location: str, key: Any) -> str:
         else f"{location}[{_quote(key)}]"
 
 
-def _fits(spec: Mapping[str, Any], value: Any) -> bool:
-    # jsonschema is the manifest reader's own dependency; surgery.manifest imports it only when
-    # validating too, so commands that never read a manifest do not pay for it.
-    import jsonschema
+# The schema keywords a compile setting's spec may use; a spec with another keyword refuses every
+# value, so an unvetted construct never lets a value through (a test keeps the schema to these).
+SPEC_KEYWORDS = frozenset({"type", "enum", "minimum", "maximum", "description"})
+_TYPES: dict[str, tuple[type, ...]] = {"boolean": (bool,), "string": (str,), "integer": (int,),
+                                       "number": (int, float)}
 
-    return bool(jsonschema.Draft202012Validator(dict(spec)).is_valid(value))
+
+def _fits(spec: Mapping[str, Any], value: Any) -> bool:
+    """Whether ``value`` fits one setting's spec: type, enum and bounds (no jsonschema, which is
+    for whole documents; these specs are flat)."""
+    if set(spec) - SPEC_KEYWORDS:
+        return False
+    if "enum" in spec and not any(type(value) is type(c) and value == c for c in spec["enum"]):
+        return False
+    kind = spec.get("type")
+    if kind is not None:
+        if kind not in _TYPES or not isinstance(value, _TYPES[kind]):
+            return False
+        if kind != "boolean" and isinstance(value, bool):
+            return False  # True is an int to Python, not to a schema
+    if "minimum" in spec and not (isinstance(value, (int, float)) and value >= spec["minimum"]):
+        return False
+    return "maximum" not in spec or (isinstance(value, (int, float))
+                                     and value <= spec["maximum"])
 
 
 def _expected(spec: Mapping[str, Any]) -> str:

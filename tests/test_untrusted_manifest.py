@@ -222,6 +222,9 @@ def test_the_allowlist_is_the_schema_and_every_option_exists() -> None:
 
     schema = load_schema()
     assert set(allowlist.compile_specs(schema)) == set(COMPILE_KEYS)
+    for name, spec in allowlist.compile_specs(schema).items():
+        if name != "options":  # a table, checked by its own list below
+            assert set(spec) <= allowlist.SPEC_KEYWORDS, (name, spec)
     valid = inductor_config.get_config_copy()
     for name, spec in allowlist.option_specs(schema).items():
         assert name in valid, name
