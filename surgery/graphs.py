@@ -19,7 +19,12 @@ The contract, which is what makes that safe:
   a changed one drops the path's graphs (``load_state_dict`` copies in place and keeps them). Any
   other Python state the region reads is frozen at capture, as in every CUDA graph.
 - **Inputs** are copied into the graph's own buffers. An input the region writes in place is
-  copied back after each replay.
+  copied back after each replay. Which inputs it writes is found at capture (surgery.inplace):
+  exactly for normal tensors (their version counters); under ``inference_mode``, whose tensors
+  have no version counter, by comparing bytes before and after, which misses only a write that
+  left every byte unchanged in both the second call and the capture's run.
+- **Autocast** of the region's device is part of the signature, so a head that turns autocast
+  off inside an autocast step gets a graph of its own for each state.
 - **Outputs** are copied, inside the graph, into buffers owned by the region path, laid out as
   the compiled code returned them, so the memory pool that all region graphs share holds only
   temporaries, and no replay can overwrite another path's outputs. A replay of the *same* path
@@ -44,6 +49,7 @@ import torch
 from torch import nn
 
 from surgery.capture import Capturer, CudaCapturer, Graph
+from surgery.inplace import WriteProbe
 
 __all__ = ["MAX_GRAPHS_PER_PATH", "MAX_OUTPUT_SETS", "Capturer", "CudaCapturer", "Graph",
            "RegionGraphs"]
@@ -260,10 +266,11 @@ class RegionGraphs:
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
-        sig: list[Any] = [self.module.training, torch.is_inference_mode_enabled(),
-                          torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")]
-        tensors: list[torch.Tensor] = []
         dev = self.capturer.device
+        kind = "cuda" if dev >= 0 else "cpu"  # the autocast state of the device it runs on
+        sig: list[Any] = [self.module.training, torch.is_inference_mode_enabled(),
+                          torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind)]
+        tensors: list[torch.Tensor] = []
         if not _flatten_args(args, sig, tensors, dev):
             return None
         if kwargs:
@@ -285,15 +292,14 @@ class RegionGraphs:
         if cap is not None:
             return self._replay(sig, cap, tensors, args, kwargs, run_compiled)
         n = self.seen[sig] = self.seen.get(sig, 0) + 1
-        versions = [t._version for t in tensors] if n >= 2 else []
+        room = len(self.graphs) < MAX_GRAPHS_PER_PATH
+        probe = WriteProbe(tensors) if n >= 2 and room else None
         out, ran = run_compiled(args, kwargs)
-        if ran and n == 2 and len(self.graphs) == MAX_GRAPHS_PER_PATH:
+        if ran and n == 2 and not room:
             self.notes.append(f"a signature beyond the first {MAX_GRAPHS_PER_PATH} runs "
                               "compiled without a graph (shapes vary from call to call?)")
-        if ran and n >= 2 and len(self.graphs) < MAX_GRAPHS_PER_PATH:
-            writes = {i for i, (t, v) in enumerate(zip(tensors, versions, strict=True))
-                      if t._version != v}
-            mine = self._capture(sig, tensors, args, kwargs, out, writes)
+        if ran and probe is not None:
+            mine = self._capture(sig, tensors, args, kwargs, out, probe.written(tensors))
             if mine is not None:
                 return mine
         return out
@@ -429,7 +435,7 @@ class RegionGraphs:
         copied = [i for i in range(len(tensors)) if i not in adopt]
         for i in copied:
             inputs[i].copy_(tensors[i])
-        versions = [t._version for t in inputs]
+        probe = WriteProbe(inputs)
         it = iter(inputs)  # the same order as _flatten: args, then kwargs by sorted key
         static_args = _substitute(args, it)
         keys = sorted(kwargs)
@@ -452,7 +458,9 @@ class RegionGraphs:
         outs = self._new_set(cap)
         if outs is None:
             return None
-        cap.written = [i for i in copied if inputs[i]._version != versions[i]]
+        # Written in the capture's run, or in the call before it (the union: for an inference
+        # tensor either one alone can miss a write that left the bytes unchanged).
+        cap.written = sorted((probe.written(inputs) | writes) & set(copied))
         for owner, j in adopted_from:
             owner.baseline[j] += 1
         self.watch = watch

@@ -152,3 +152,85 @@ def test_region_capture_streams_correctly(clone_all: bool | None) -> None:
             assert list(model.state_dict()) == keys
     for out, want in zip(outs, ref, strict=True):
         torch.testing.assert_close(out, want, **TOL)
+
+
+# --- inference_mode (issue 11 C) ----------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_readme_snippet_region_capture_under_inference_mode() -> None:
+    """The README's deployment snippet as written: warm-up and inference under inference_mode,
+    real CUDA graphs, the KV-cache ring; outputs equal eager's."""
+    torch.manual_seed(0)
+    model = examples.tiny().cuda().eval()
+    manifest = _region_capture_manifest()
+    frames = [model.example_input(seed=i) for i in range(FRAMES + 4)]
+    with torch.inference_mode():
+        ref = _stream(model, frames)
+    with torch.inference_mode():    # warm up as you infer: region graphs are captured in warm-up
+        handle = apply_manifest(model, manifest, warmup=lambda m: _stream(m, frames[:2]))
+    with handle, torch.inference_mode():                    # restores on exit
+        outs = _stream(model, frames)
+        report = handle.report
+        assert report.counts()["compiled"] == len(report), report.summary()
+        assert all(r.graphs_captured >= 1 and r.graph_replays > 0 for r in report), \
+            report.summary()
+    for out, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(out, want, **TOL)
+
+
+class _Head(torch.nn.Module):
+    """Several tensor inputs, one written in place (a cache at a position), and a part that
+    turns autocast off inside an autocast step, as LingBot-Map's heads do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, cache: torch.Tensor, pos: int
+                ) -> torch.Tensor:
+        cache[pos].copy_(x[0])
+        return self.lin(x) + self.lin(y) + cache.sum(0)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = _Head()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a = self.head(x, y, cache, 1)
+            with torch.autocast("cuda", enabled=False):
+                b = self.head(x.float(), y.float(), cache, 2)
+        return a.float() + b
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_region_graphs_with_many_inputs_writes_and_autocast_toggled(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _Holder().cuda().eval()
+    manifest = Manifest(compute_fingerprint(model.state_dict()), [Region("head", ["head"])],
+                        compile={**DEFAULT_COMPILE, "clone_outputs": False})
+    grad_off = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(8, 64, device="cuda", generator=g),
+                torch.randn(8, 64, device="cuda", generator=g), torch.zeros(4, 64, device="cuda"))
+
+    with grad_off():
+        refs = []
+        for s in range(6):
+            x, y, c = inputs(s)
+            refs.append((model(x, y, c).clone(), c.clone()))
+        handle = apply_manifest(model, manifest, warmup=lambda m: m(*inputs(100)), passes=3)
+        with handle:
+            for s in range(6):
+                x, y, c = inputs(s)
+                out = model(x, y, c)
+                torch.testing.assert_close(out, refs[s][0], atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(c, refs[s][1], atol=2e-2, rtol=2e-2)  # written back
+            rec = handle.report.by_path("head")
+            assert rec.status == "compiled" and rec.graphs_captured >= 2, handle.report.summary()
+            assert rec.graph_replays >= 12, handle.report.summary()

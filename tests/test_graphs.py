@@ -545,3 +545,111 @@ def test_compile_plan_for_capture_region() -> None:
     m.compile["backend"] = "inductor"
     with pytest.raises(RegionError, match="not one of"):
         plan_region(m, m.regions[0], overrides={"capture": "trees"}, on_cuda=True)
+
+
+# --- inference_mode, any number of inputs, autocast (issue 11 C) --------------------------------
+
+class _Mix(nn.Module):
+    """A region taking ``n`` tensor inputs (and a scalar), so zero, one and many are covered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, *xs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        acc = self.lin.weight.sum() * scale
+        for x in xs:
+            acc = acc + self.lin(x)
+        return acc * 1.0
+
+
+@pytest.mark.parametrize("n_inputs", [0, 1, 3])
+def test_inference_mode_captures_and_replays_with_any_number_of_inputs(n_inputs: int) -> None:
+    """Under inference_mode every input is an inference tensor, which has no version counter."""
+    mod = _Mix()
+    g, calls, _, _ = graphs_for(mod)
+    with torch.inference_mode():
+        for step in range(5):
+            xs = [torch.randn(2, 4) + step for _ in range(n_inputs)]
+            assert all(x.is_inference() for x in xs)
+            got = g(tuple(xs), {"scale": 2.0}, calls).clone()
+            torch.testing.assert_close(got, mod(*xs, scale=2.0))
+    assert (g.captures, g.replays, calls.runs) == (1, 3, 2), g.notes
+    assert not g.disabled
+
+
+def test_inference_mode_an_input_written_in_place_is_written_back() -> None:
+    lin = nn.Linear(4, 4)
+
+    def step(x: torch.Tensor, cache: torch.Tensor, pos: int) -> torch.Tensor:
+        cache[pos].copy_(x[0])  # a KV cache filled at a position
+        return lin(cache)
+
+    g, calls, _, _ = graphs_for(lin, step)
+    with torch.inference_mode():
+        for _ in range(2):  # warm-up: a fresh (zero) cache each pass
+            g((torch.randn(2, 4), torch.zeros(3, 4), 1), {}, calls)
+        x, cache = torch.randn(2, 4), torch.zeros(3, 4)
+        out = g((x, cache, 1), {}, calls)
+        want = torch.zeros(3, 4)
+        want[1] = x[0]
+        torch.testing.assert_close(cache, want)  # written back to the caller's tensor
+        torch.testing.assert_close(out, lin(want))
+    assert g.replays == 1
+    (captured,) = g.graphs.values()
+    assert captured.written == [1]
+
+
+def test_write_probe_is_exact_for_normal_tensors_and_sees_changed_bytes_of_inference_ones() -> None:
+    from surgery.inplace import WriteProbe
+
+    a, b = torch.zeros(3), torch.zeros(3)
+    probe = WriteProbe([a, b])
+    b.mul_(1.0)  # same bytes, but a write: the version counter sees it
+    assert probe.written([a, b]) == {1}
+    with torch.inference_mode():
+        c, d, e = torch.zeros(3), torch.full((3,), float("nan")), torch.zeros(2, 3)[:, 1]
+        probe = WriteProbe([c, d, e])
+        c[0] = 5.0
+        assert probe.written([c, d, e]) == {0}  # NaN compares by bytes: not "written"
+
+
+def test_autocast_switched_on_and_off_in_one_step_gets_a_graph_each() -> None:
+    """A head that turns autocast off inside an autocast step: two signatures, two graphs, and
+    each replay gives the dtype its own autocast state gives."""
+    lin = nn.Linear(4, 4)
+    g, calls, _, _ = graphs_for(lin)
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                on = g((x,), {}, calls)
+                with torch.autocast("cpu", enabled=False):
+                    off = g((x,), {}, calls)
+            assert on.dtype == torch.bfloat16 and off.dtype == torch.float32
+            torch.testing.assert_close(off, lin(x))
+            torch.testing.assert_close(on, lin(x), atol=0.05, rtol=0.05, check_dtype=False)
+            del on, off  # released, so each replay reuses its one output set
+    assert g.captures == 2 and g.replays == 4
+
+
+def test_readme_deployment_snippet_runs_under_inference_mode(fake_cuda: FakeCapturer) -> None:
+    """The README's deployment snippet, as written, with the faithful fake graph."""
+    torch.manual_seed(0)
+    eager, model = examples.tiny().eval(), examples.tiny().eval()
+    model.load_state_dict(eager.state_dict())
+    example = model.example_input()
+    m = tiny_manifest(model)
+    with torch.inference_mode():    # warm up as you infer: region graphs are captured in warm-up
+        handle = apply_manifest(model, m, warmup=lambda m: m(example))
+    assert all(r.graphs_captured >= 1 for r in handle.report), handle.report.summary()
+    frames = [model.example_input(seed=s) for s in range(4)]
+    with torch.inference_mode():
+        for _ in range(handle.report.warmup_passes):
+            eager(example)  # the same stream position as the warm-up
+        want = [eager(f).clone() for f in frames]
+    with handle, torch.inference_mode():                    # restores on exit
+        outs = [model(f).clone() for f in frames]
+    for got, exp in zip(outs, want, strict=True):
+        torch.testing.assert_close(got, exp, atol=1e-6, rtol=1e-5)
+    assert all(r.graph_replays >= len(frames) for r in handle.report), handle.report.summary()
