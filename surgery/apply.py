@@ -42,6 +42,7 @@ from surgery.report import (
 from surgery.resolve import (
     ENV_MANIFEST,
     ManifestSource,
+    bind_model,
     check_fingerprint,
     resolve_manifest,
     resolve_path,
@@ -178,9 +179,10 @@ def apply_manifest(
     ``report.cache`` records which, and how many warm-up compiles hit the caches.
     """
     m = resolve_manifest(manifest)
-    check_fingerprint(model, m, strict=strict)
+    binding = bind_model(model, m, strict=strict)
     records: list[RegionRecord] = []
     report = ApplyReport(records)
+    report.notes += binding.notes  # a cast since the plan, an older fingerprint
     handle = ApplyHandle(model, m, report)
     handle._overrides = dict(overrides or {})
     dev = _device_of(model, model)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from surgery import __version__
+from surgery.binding import bind
 from surgery.checkpoint import (
     META_DROPPED,
     META_FINGERPRINT,
@@ -164,7 +165,7 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
         raise CheckpointError(f"{path}: no key is under --prefix {prefix}", path=path,
                               hint="check the prefix against the keys (surgery verify --all)")
     if m is not None:
-        findings.extend(_check_manifest(m, mk, fingerprint))
+        findings.extend(_check_manifest(m, mk, fingerprint, info.tensors))
         findings.extend(_check_cache_bundle(m))
     if deep:
         findings.extend(_deep_findings(path, key=key, kind=kind, info=info, progress=progress))
@@ -205,12 +206,17 @@ def _load_manifest(manifest: str | Manifest) -> Manifest:
 
 
 
-def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None) -> list[Finding]:
+def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None,
+                    tensors: Mapping[str, TensorInfo]) -> list[Finding]:
     out: list[Finding] = []
     src = m.source_path or "MANIFEST"
-    if fingerprint is not None and m.fingerprint != fingerprint:
+    binding = None if fingerprint is None or m.fingerprint == fingerprint else bind(
+        m.fingerprint, m.model, {c: tensors[k] for k, c in mk.names.items()}, where=src,
+        live="the checkpoint")
+    if binding is not None and not binding.matches:
         out.append(Finding(
-            "SG101", ERROR, "the manifest was planned for a different checkpoint", None,
+            "SG101", ERROR, f"the manifest was planned for a different checkpoint: "
+            f"{binding.problem}", None,
             [], f"plan it again for this checkpoint: surgery plan CHECKPOINT -o {src} --force",
             [f"manifest {m.fingerprint}", f"checkpoint {fingerprint}"],
             {"expected": m.fingerprint, "actual": fingerprint}))
@@ -438,10 +444,13 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
                                   f"{prefix})", path=path, hint="check the prefix")
         model = {c: src.infos[k] for k, c in mk.names.items()}
         fingerprint = compute_fingerprint(model)
-        if m is not None and m.fingerprint != fingerprint:
+        binding = None if m is None or m.fingerprint == fingerprint else bind(
+            m.fingerprint, m.model, model, where=str(manifest), live="this checkpoint")
+        if m is not None and binding is not None and not binding.matches:
             raise FingerprintMismatchError(
                 f"{manifest}: planned for a different checkpoint (manifest {m.fingerprint}, "
-                f"this checkpoint {fingerprint})", expected=m.fingerprint, actual=fingerprint,
+                f"this checkpoint {fingerprint}): {binding.problem}", expected=m.fingerprint,
+                actual=fingerprint,
                 hint=f"plan the manifest for this checkpoint: surgery plan {path}")
         # Tied tensors: the first canonical name of each group stores the bytes.
         stored_as: dict[Any, str] = {}

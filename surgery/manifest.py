@@ -22,6 +22,7 @@ from surgery.allowlist import manifest_refusals
 # write_text_atomic moved to surgery.atomic; re-exported for the modules that import it here.
 from surgery.atomic import write_text_atomic as write_text_atomic
 from surgery.errors import ManifestError
+from surgery.keys import canonical_key, collision_error
 from surgery.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
 
 if sys.version_info >= (3, 11):
@@ -148,20 +149,38 @@ class Manifest:
 
 # --- fingerprint -------------------------------------------------------------------------------
 
+# The prefix of the current fingerprint format. A manifest whose fingerprint is a bare
+# "sha256:..." was written by an earlier surgery (v1: tab-separated records that also covered
+# dtypes); surgery.binding still accepts one that matches, see there.
+FINGERPRINT_PREFIX = "v2:sha256:"
+
+
 def compute_fingerprint(tensors: Mapping[str, Any]) -> str:
-    """sha256 over canonical keys, shapes and dtypes, in key order.
+    """The model's fingerprint: sha256 over its canonical keys and shapes, in key order.
 
-    `tensors` maps key -> object with `.shape` and `.dtype` (TensorInfo or torch.Tensor). Dtypes
-    are normalised to the safetensors spelling first, so a header and a live model agree.
+    Why these and only these. The fingerprint binds a manifest to *a model*, and region paths
+    follow from keys and shapes; a cast (bf16 deployment of an fp32 checkpoint) or ``.to(device)``
+    is the same model, so dtype and device are left out (surgery.binding notes a dtype change).
+    Keys are canonical (wrapper segments such as ``_orig_mod.`` stripped), so a model with
+    hand-swapped compiled blocks still matches. Each record is a JSON array ``[key, shape]``, so
+    no key, whatever characters it holds, can read as two records. ``tensors`` maps key -> any
+    object with ``.shape`` (TensorInfo or torch.Tensor); nothing here imports torch.
     """
-    from surgery.checkpoint import normalize_dtype
-
+    names: dict[str, str] = {}
+    clashes: dict[str, list[str]] = {}
+    for key in tensors:
+        c = canonical_key(key)
+        if c in names:
+            clashes.setdefault(c, [names[c]]).append(key)
+        names[c] = key
+    if clashes:
+        raise collision_error(clashes)
     h = hashlib.sha256()
-    for key in sorted(tensors):
-        t = tensors[key]
-        shape = ",".join(str(int(d)) for d in t.shape)
-        h.update(f"{key}\t{shape}\t{normalize_dtype(t.dtype)}\n".encode())
-    return f"sha256:{h.hexdigest()}"
+    for c in sorted(names):
+        record = [c, [int(d) for d in tensors[names[c]].shape]]
+        h.update(json.dumps(record, ensure_ascii=True, separators=(",", ":")).encode())
+        h.update(b"\n")  # JSON text never holds a raw newline: it ends the record
+    return f"{FINGERPRINT_PREFIX}{h.hexdigest()}"
 
 
 # --- schema ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from surgery import keys as keymod
+from surgery.binding import binding_fields
 from surgery.checkpoint import CheckpointInfo, TensorInfo, normalize_dtype, read_checkpoint
 from surgery.errors import CheckpointError, ModelSourceError, RegionError
 from surgery.manifest import (
@@ -210,7 +211,7 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
     regions.sort(key=lambda r: natural_key(r.paths[0]))
     model = {"source": source, **extra, "tensors": len(tensors),
              "parameters": sum(t.numel for t in tensors.values()),
-             "covered_parameters": covered}
+             "covered_parameters": covered, **binding_fields(tensors)}
     return Manifest(
         fingerprint=compute_fingerprint(tensors), regions=regions,
         compile=compile, warmup=dict(DEFAULT_WARMUP),

@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from surgery.binding import Binding, bind
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
-from surgery.manifest import Manifest, compute_fingerprint, load_manifest, parse_manifest
+from surgery.keys import collision_error
+from surgery.manifest import Manifest, load_manifest, parse_manifest
 from surgery.report import SurgeryWarning
 
 ENV_MANIFEST = "SURGERY_MANIFEST"
@@ -77,25 +79,37 @@ def _embedded_manifest(path: str) -> Manifest:
                         path=path)
 
 
-def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
-    """Compare the manifest's fingerprint with the live model's state dict (canonical keys)."""
-    from surgery.hygiene import model_fingerprint
+def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> Binding:
+    """Bind the manifest to the live model: canonical keys and shapes, not dtypes (a cast model
+    binds, with a note). A mismatch says what differs (surgery.binding) and raises, or warns
+    with ``strict=False``."""
+    from surgery.hygiene import model_keys
 
     # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
     sd = model.state_dict()
-    actual = model_fingerprint(sd) or compute_fingerprint(sd)
-    if actual != manifest.fingerprint:
-        where = manifest.source_path or "the manifest"
-        msg = (f"{where} was planned for a different model: its fingerprint is "
-               f"{manifest.fingerprint}, the live model's state dict gives {actual}")
-        hint = ("plan the manifest again for this checkpoint (`surgery plan`), or pass "
-                "strict=False to apply it anyway")
-        if strict:
-            raise FingerprintMismatchError(msg, expected=manifest.fingerprint, actual=actual,
-                                           hint=hint)
-        warnings.warn(f"surgery: {msg} (strict=False: applying anyway)", SurgeryWarning,
-                      stacklevel=3)
-    return actual
+    mk = model_keys(list(sd))
+    if mk.collisions:
+        raise collision_error(mk.collisions, source="the live model")
+    where = manifest.source_path or "the manifest"
+    binding = bind(manifest.fingerprint, manifest.model,
+                   {c: sd[k] for k, c in mk.names.items()}, where=where)
+    if binding.matches:
+        return binding
+    msg = (f"{where} was planned for a different model (its fingerprint is "
+           f"{manifest.fingerprint}, the live model's {binding.actual}): {binding.problem}")
+    if strict:
+        raise FingerprintMismatchError(msg, expected=manifest.fingerprint, actual=binding.actual,
+                                       hint=binding.hint)
+    warnings.warn(f"surgery: {msg} (strict=False: applying anyway)", SurgeryWarning,
+                  stacklevel=3)
+    binding.notes.append(f"fingerprint mismatch, applied anyway (strict=False): "
+                         f"{binding.problem}")
+    return binding
+
+
+def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
+    """The live model's fingerprint, once bound to the manifest (see bind_model)."""
+    return bind_model(model, manifest, strict=strict).actual
 
 
 # --- resolution --------------------------------------------------------------------------------

@@ -261,7 +261,10 @@ def test_second_process_with_bundle_compiles_less(project) -> None:
     """Process 1: `surgery warm` (fresh cache dir: every compile misses) writes the bundle.
     Process 2: a fresh, empty cache dir plus the bundle: every compile hits."""
     (project / "load.py").write_text(LOAD_SRC)
-    env = {**os.environ, "PYTHONPATH": str(project), "TORCHINDUCTOR_CACHE_DIR":
+    # The project first, then this checkout's surgery (not whichever one is installed).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(project), here]),
+           "TORCHINDUCTOR_CACHE_DIR":
            str(project / "inductor-warm")}
     warm = subprocess.run(
         [sys.executable, "-m", "surgery", "warm", "--model", "warmmod:build", "--manifest",

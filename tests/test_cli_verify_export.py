@@ -43,7 +43,7 @@ def clean(tmp_path) -> str:
 def test_verify_clean_exits_0(clean) -> None:
     r = run("verify", clean)
     assert r.exit_code == 0, r.output
-    assert "OK: prefix-free" in r.output and "fingerprint sha256:" in r.output
+    assert "OK: prefix-free" in r.output and "fingerprint v2:sha256:" in r.output
 
 
 def test_verify_findings_grouped_exit_1(wrapped) -> None:
