@@ -41,6 +41,7 @@ def test_a_key_holding_a_tab_and_a_newline_does_not_collide_with_two_keys() -> N
 
 @pytest.mark.parametrize("one,two", [
     pytest.param({'a",[1]],["b': (3,)}, {"a": (1,), "b": (3,)}, id="json-quote"),
+    pytest.param({"a\t1\nb": (2,)}, {"a": (1,), "b": (2,)}, id="tab-newline"),
     pytest.param({"a": (12,)}, {"a": (1, 2)}, id="shape-digits"),
     pytest.param({"a.1": (1,)}, {"a": (1,), "1": (1,)}, id="dotted"),
 ])
