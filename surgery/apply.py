@@ -38,6 +38,7 @@ from surgery.report import (
     RegionFallbackWarning,
     RegionRecord,
     SurgeryWarning,
+    warn_eager_on_cpu,
 )
 from surgery.resolve import (
     ENV_MANIFEST,
@@ -231,6 +232,7 @@ def apply_manifest(
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
+        warn_eager_on_cpu(report)
         if mha and torch.backends.mha.get_fastpath_enabled():
             # Dynamo does not guard on this flag; the fused fastpath would bypass the graph.
             handle._mha_fastpath = True
