@@ -618,7 +618,7 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Where to warm up (default: cuda when available). A bundle is valid only "
               "for this device kind and GPU.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Cast the model first (the manifest's fingerprint includes the dtype).")
+              help="Cast the model first (compile for the dtype you deploy in).")
 @click.option("-o", "--output", metavar="BUNDLE", help="Where to write the bundle. Default: "
               "beside the manifest, as STEM.surgery.cache.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at the output path. "

@@ -210,3 +210,21 @@ def test_a_first_format_manifest_that_matches_applies_with_a_note() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_manifest(model, m).restore()
+
+
+def test_verify_and_export_say_what_differs(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from surgery.errors import FingerprintMismatchError as Mismatch
+    from surgery.hygiene import export_checkpoint, verify_checkpoint
+    from surgery.manifest import save_manifest
+
+    man = tmp_path / "m.surgery.toml"
+    save_manifest(_manifest_for(_Saved(), ["head"]), str(man))
+    ckpt = tmp_path / "renamed.safetensors"
+    save_file(_Renamed().state_dict(), str(ckpt))
+    report = verify_checkpoint(str(ckpt), manifest=str(man))
+    (sg101,) = [f for f in report.findings if f.code == "SG101"]
+    assert "keys look renamed: 'encoder.layer.N' -> 'layers.N'" in sg101.title, sg101.title
+    with pytest.raises(Mismatch, match="look renamed"):
+        export_checkpoint(str(ckpt), out=str(tmp_path / "out.safetensors"), manifest=str(man))
