@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from surgery.binding import binding_fields
 from surgery.errors import ModelSourceError, RegionError
 from surgery.evidence import OBSERVED, RECOMPILE_BUDGET, choose_regions
 from surgery.manifest import (
@@ -203,7 +204,8 @@ def _manifest(view: Any, tensors: dict[str, Any], obs: Observation, choice: Any,
                               evidence=_merge_evidence([choice.evidence[p] for p in paths])))
     regions.sort(key=lambda r: natural_key(r.paths[0]))
     model = {"source": source, "tensors": len(tensors),
-             "parameters": sum(t.numel for t in tensors.values()), "covered_parameters": covered}
+             "parameters": sum(t.numel for t in tensors.values()), "covered_parameters": covered,
+             **binding_fields(tensors)}  # the key brief a fingerprint mismatch is explained from
     coverage = {**extra, **choice.coverage} if choice.coverage else dict(extra)
     return Manifest(fingerprint=compute_fingerprint(tensors), regions=regions, compile=compile,
                     warmup=dict(DEFAULT_WARMUP),

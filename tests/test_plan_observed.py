@@ -45,6 +45,8 @@ def test_plan_input_writes_evidence_and_prints_coverage(sdpa_plan) -> None:  # t
     assert ev is not None and ev["signatures"][0].startswith("feats=list(4)[f32[1,6,32]")
     # Same model, same fingerprint as a names-only plan: the weights were not changed.
     assert m.fingerprint == plan_model(SDPA).manifest.fingerprint
+    # ...and the same key brief, from which a later fingerprint mismatch is explained.
+    assert m.model["keys"] == plan_model(SDPA).manifest.model["keys"] and m.model["dtypes"]
 
 
 def test_manifest_round_trips_evidence_and_coverage(sdpa_plan) -> None:  # type: ignore[no-untyped-def]
