@@ -22,6 +22,9 @@ def test_demo_applies_the_embedded_manifest(tmp_path, capsys) -> None:
     assert main([out]) == 0
     printed = capsys.readouterr().out
     assert "6 compiled, 0 pending, 0 eager" in printed
+    assert "overrides over the manifest's [compile] (this is a CPU demo): {'backend': " \
+        "'aot_eager', 'on_cpu': 'compile'}" in printed
+    assert "CUDA-graph replays" in printed  # the report's table
     assert "state-dict keys unchanged" in printed
 
 
