@@ -56,8 +56,6 @@ def _let_torchvision_import_on_cpu_torch() -> None:
         return
     except OSError:
         pass
-    import contextlib
-
     for op in ("nms", "qnms"):
         with contextlib.suppress(RuntimeError):  # already declared
             torch.library.define(f"torchvision::{op}",
