@@ -32,7 +32,6 @@ sys.path.insert(0, HERE)
 from zoo_models import CASES, ZooCase  # noqa: E402
 
 from surgery import apply_manifest  # noqa: E402
-from surgery.errors import FingerprintMismatchError  # noqa: E402
 from surgery.manifest import Manifest  # noqa: E402
 from surgery.plan import plan_checkpoint, plan_model  # noqa: E402
 
@@ -215,14 +214,6 @@ MODES = {
 }
 
 
-# Planning happens on the float32 model (as checkpoints are saved); deploying in bf16 is refused
-# until the binding survives casts. Strict: the mark must go when that lands.
-BF16_BINDING = pytest.mark.xfail(
-    strict=True, raises=FingerprintMismatchError,
-    reason="issue 11 D: a manifest planned from the float32 model is refused on the same model "
-           "in bf16 (FingerprintMismatchError: the fingerprint covers dtypes)")
-
-
 def _mode_params() -> list[Any]:
     out = []
     for (grad, autocast, dtype), names in MODES.items():
@@ -240,7 +231,6 @@ def test_apply_matches_eager_in_other_modes(case: ZooCase, grad: str, autocast: 
     _check(out, dtype=dtype, autocast=autocast, paths=_paths(case))
 
 
-@BF16_BINDING
 @pytest.mark.parametrize("case", _case_params(["hf_bert"]))
 def test_a_plan_of_the_float32_model_applies_in_bf16(case: ZooCase) -> None:
     run_zoo_case(case, dtype="bf16", planned="fp32")
@@ -257,8 +247,10 @@ def test_apply_with_inductor(case: ZooCase) -> None:
 @pytest.mark.parametrize("grad", ["inference_mode", "no_grad"])
 @pytest.mark.parametrize("case", _case_params())
 def test_zoo_on_the_gpu(case: ZooCase, grad: str, record_property: Any) -> None:
-    """The manifest as planned (inductor, region CUDA graphs), bf16, on the GPU."""
-    out = run_zoo_case(case, grad=grad, dtype="bf16", device="cuda", overrides={})
+    """The manifest as planned (inductor, region CUDA graphs) from the float32 model, as a
+    checkpoint is saved, deployed in bf16 on the GPU."""
+    out = run_zoo_case(case, grad=grad, dtype="bf16", device="cuda", overrides={},
+                       planned="fp32")
     for key in ("compiled", "replays", "demoted", "diff"):
         record_property(key, out[key])
     print(f"{case.name} {grad}: compiled {out['compiled']}, replayed {out['replays']}, "
