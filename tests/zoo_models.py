@@ -9,6 +9,7 @@ eager and compiled runs see the same thing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,13 +135,20 @@ def run_decode(model: Any) -> list[torch.Tensor]:
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (1, 12 + DECODE_STEPS), generator=g).to(_dev(model))
-    cache = DynamicCache()  # transformers 5 names it `cache` (`past_key_values` is deprecated)
-    out = model(input_ids=ids[:, :12], cache=cache, use_cache=True)
+    # transformers 5 names the argument and the output field `cache`; earlier releases (the GPU
+    # machine's) say `past_key_values`.
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def cache_of(out: Any) -> Any:
+        c = getattr(out, "cache", None)
+        return out.past_key_values if c is None else c
+
+    out = model(input_ids=ids[:, :12], **{arg: DynamicCache()}, use_cache=True)
     logits = [out.logits]
     for i in range(12, 12 + DECODE_STEPS):
-        out = model(input_ids=ids[:, i:i + 1], cache=out.cache, use_cache=True)
+        out = model(input_ids=ids[:, i:i + 1], **{arg: cache_of(out)}, use_cache=True)
         logits.append(out.logits)
-    assert out.cache.get_seq_length() == 12 + DECODE_STEPS  # the cache really grew
+    assert cache_of(out).get_seq_length() == 12 + DECODE_STEPS  # the cache really grew
     return logits
 
 
