@@ -51,11 +51,16 @@ def _let_torchvision_import_on_cpu_torch() -> None:
         return
     import torch
 
-    try:
-        ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "_C.so"))
-        return
-    except OSError:
-        pass
+    # Its extension is `_C.so` up to 0.28 and `_C_stable.so` from 0.29 on: if any of them loads,
+    # torchvision registers the ops itself, and declaring them here would abort the process.
+    folder = os.path.dirname(spec.origin)
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("_C") and name.endswith(".so"):
+            try:
+                ctypes.CDLL(os.path.join(folder, name))
+                return
+            except OSError:
+                pass
     for op in ("nms", "qnms"):
         with contextlib.suppress(RuntimeError):  # already declared
             torch.library.define(f"torchvision::{op}",
