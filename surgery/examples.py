@@ -30,6 +30,7 @@ from torch import nn
 
 # Re-exported so that `--model surgery.examples:lingbot_sdpa` and `--input
 # surgery.examples:stream_step` name every example from one module.
+from surgery.examples_sdpa import PatchEmbed
 from surgery.examples_sdpa import lingbot_sdpa as lingbot_sdpa
 from surgery.examples_sdpa import stream_step as stream_step
 from surgery.examples_sdpa import tiny_sdpa as tiny_sdpa
@@ -104,24 +105,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchEmbed(nn.Module):
-    """A small ViT: conv patchify, then repeated blocks, then a norm."""
-
-    def __init__(self, cfg: ExampleConfig) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch, stride=cfg.patch)
-        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.tokens, cfg.dim))
-        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio)
-                                    for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.dim)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.proj(images).flatten(2).transpose(1, 2) + self.pos_embed
-        for blk in self.blocks:
-            x = blk(x)
-        return self.norm(x)
-
-
 class GlobalBlock(nn.Module):
     """A streaming block: attention over every frame seen so far, through a growing KV cache.
 
@@ -164,7 +147,7 @@ class GlobalBlock(nn.Module):
 class Aggregator(nn.Module):
     def __init__(self, cfg: ExampleConfig) -> None:
         super().__init__()
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, block=Block)
         self.frame_blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.mlp_ratio)
                                           for _ in range(cfg.depth))
         self.global_blocks = nn.ModuleList(

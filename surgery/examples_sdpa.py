@@ -180,11 +180,14 @@ class VitBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: SdpaConfig) -> None:
+    """A small ViT: conv patchify, then repeated blocks (``block``, VitBlock by default; the
+    method build in surgery.examples passes its own), then a norm."""
+
+    def __init__(self, cfg: Any, block: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.proj = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch, stride=cfg.patch)
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.tokens, cfg.dim))
-        self.blocks = nn.ModuleList(VitBlock(cfg.dim, cfg.heads, cfg.mlp_ratio)
+        self.blocks = nn.ModuleList((block or VitBlock)(cfg.dim, cfg.heads, cfg.mlp_ratio)
                                     for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim)
 
