@@ -11,6 +11,7 @@ something.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -138,9 +139,13 @@ def _nothing_ran(site: Path, spy: list[bytes]) -> None:
 # --- the control: the payload is live -------------------------------------------------------
 
 def test_control_torch_runs_the_payload_when_handed_it(site) -> None:
-    with pytest.raises(Exception):  # noqa: B017 - what the pickle returns is not a graph
+    # torch 2.13 unpickles the FX-graph artifact at load (the pickle runs, then torch raises:
+    # what it returns is not a graph). torch 2.14 stores it in the FX graph cache unread, to be
+    # unpickled on the first cache lookup: the payload is planted for a later process instead.
+    with contextlib.suppress(Exception):
         torch.compiler.load_cache_artifacts(payload_blob(site / "PWNED"))
-    assert (site / "PWNED").exists()  # the pickle ran
+    planted = list((site / "inductor").rglob("fevilgraph/*"))
+    assert (site / "PWNED").exists() or planted  # the pickle ran, or waits in the cache
     torch.compiler.load_cache_artifacts(
         torch_cache_blob([("autotune", [(str(site / "WRITTEN"), b"{}")])]))
     assert (site / "WRITTEN").exists()  # an absolute key is written where it points

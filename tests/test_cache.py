@@ -185,6 +185,27 @@ def test_read_refuses_damaged_bundles(project, damage, message) -> None:
 
 # --- apply_manifest falls back, once and cleanly ----------------------------------------------
 
+def _torch_defers_unpickling() -> bool:
+    """Whether torch.compiler.load_cache_artifacts stores an FX-graph artifact without
+    unpickling it (2.14 does; 2.13 unpickles at load)."""
+    import tempfile
+
+    blob = torch_cache_blob([("inductor", [("fprobe", b"not a pickle")])])
+    with tempfile.TemporaryDirectory() as d:
+        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+        try:
+            torch.compiler.load_cache_artifacts(blob)
+            return True
+        except Exception:
+            return False
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
 def _damage(path: str, how: str) -> None:
     with open(path, "rb") as f:
         data = f.read()
@@ -218,6 +239,9 @@ def test_bad_bundle_falls_back_with_one_message(project, kind: str, reason: str)
         _damage(path, kind)
     if kind == "missing":
         os.unlink(path)
+    if kind == "torch-refuses" and _torch_defers_unpickling():
+        pytest.skip("this torch stores FX-graph artifacts unread at load (torch 2.14+): a bad "
+                    "one is a cache miss later, so the load itself cannot fail this way")
     caught, report = _apply_with(project, True)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert caught[0].category is CacheIgnoredWarning
