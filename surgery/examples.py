@@ -30,7 +30,7 @@ from torch import nn
 
 # Re-exported so that `--model surgery.examples:lingbot_sdpa` and `--input
 # surgery.examples:stream_step` name every example from one module.
-from surgery.examples_sdpa import PatchEmbed
+from surgery.examples_sdpa import PatchEmbed, frame_input
 from surgery.examples_sdpa import lingbot_sdpa as lingbot_sdpa
 from surgery.examples_sdpa import stream_step as stream_step
 from surgery.examples_sdpa import tiny_sdpa as tiny_sdpa
@@ -180,10 +180,7 @@ class ExampleModel(nn.Module):
 
     def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
         """One frame, on the model's device and dtype."""
-        p = next(self.parameters())
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(batch, 3, self.config.height, self.config.width, generator=g)
-        return x.to(device=p.device, dtype=p.dtype)
+        return frame_input(self, self.config, batch=batch, seed=seed)
 
 
 def tiny() -> ExampleModel:

@@ -158,6 +158,15 @@ class RopeBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def frame_input(model: nn.Module, cfg: Any, *, batch: int, seed: int) -> torch.Tensor:
+    """One random ``cfg.height`` x ``cfg.width`` frame on ``model``'s device and dtype (both
+    example builds share it)."""
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, cfg.height, cfg.width, generator=g)
+    return x.to(device=p.device, dtype=p.dtype)
+
+
 class VitBlock(nn.Module):
     """A patch-embed (DINO-like) block: no RoPE, learned position embedding upstream."""
 
@@ -355,10 +364,7 @@ class SdpaExampleModel(nn.Module):
 
     def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
         """One frame, on the model's device and dtype."""
-        p = next(self.parameters())
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(batch, 3, self.config.height, self.config.width, generator=g)
-        return x.to(device=p.device, dtype=p.dtype)
+        return frame_input(self, self.config, batch=batch, seed=seed)
 
 
 def tiny_sdpa() -> SdpaExampleModel:
