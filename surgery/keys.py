@@ -46,6 +46,8 @@ N_AVERAGED = Segment("n_averaged", "AveragedModel / EMA bookkeeping", "leftover"
 STRIPPABLE: tuple[Segment, ...] = (ORIG_MOD, FSDP_WRAPPED, CHECKPOINT_WRAPPED, FORWARD_MODULE)
 SEGMENTS: tuple[Segment, ...] = (*STRIPPABLE, MODULE, FLAT_PARAM, N_AVERAGED)
 _ANYWHERE = frozenset(s.name for s in STRIPPABLE)
+# The segments segments_in reports wherever they stand (built once: it runs for every key).
+_FOUND_BY_NAME = {s.name: s for s in (*STRIPPABLE, FLAT_PARAM)}
 
 
 def canonical_key(key: str) -> str:
@@ -64,17 +66,16 @@ def segments_in(key: str) -> list[Segment]:
     """The wrapper segments that make `key` non-canonical, or are leftovers, in key order."""
     parts = key.split(".")
     found: list[Segment] = []
-    by_name = {s.name: s for s in (*STRIPPABLE, FLAT_PARAM)}
     for p in parts:
-        if p in by_name and by_name[p] not in found:
-            found.append(by_name[p])
+        if p in _FOUND_BY_NAME and _FOUND_BY_NAME[p] not in found:
+            found.append(_FOUND_BY_NAME[p])
     # A leading `module` counts once the anywhere-segments are removed.
     rest = [p for p in parts if p not in _ANYWHERE]
     if len(rest) > 1 and rest[0] == MODULE.name:
         found.append(MODULE)
     # AveragedModel's counter sits at the top of its state dict; a model's own buffer of that
     # name deeper down is the model's business.
-    if canonical_key(key) == N_AVERAGED.name:
+    if is_bookkeeping(key):
         found.append(N_AVERAGED)
     return found
 
