@@ -33,19 +33,21 @@ from surgery.keys import canonical_key
 from surgery.manifest import FINGERPRINT_PREFIX, compute_fingerprint
 
 LEGACY_PREFIX = "sha256:"
-_NUMBER = re.compile(r"^\d+$")
+# A key part that is all digits (the index of a numbered copy), between dots or at an end.
+_NUMBERED_PART = re.compile(r"(?<![^.])\d+(?![^.])")
 SHOWN = 3  # examples per kind of difference in a message
 
 
 def key_pattern(key: str) -> str:
     """``blocks.11.attn.weight`` -> ``blocks.N.attn.weight``: the numbered copies as one."""
-    return ".".join("N" if _NUMBER.match(p) else p for p in key.split("."))
+    return _NUMBERED_PART.sub("N", key)
 
 
 def key_summary(tensors: Mapping[str, Any]) -> list[str]:
     """One entry per (canonical key pattern, shape), with how many keys have it."""
+    sub = _NUMBERED_PART.sub
     counts: Counter[tuple[str, tuple[int, ...]]] = Counter(
-        (key_pattern(canonical_key(k)), tuple(int(d) for d in t.shape)) for k, t in tensors.items())
+        [(sub("N", canonical_key(k)), tuple(map(int, t.shape))) for k, t in tensors.items()])
     return [f"{p} [{','.join(map(str, shape))}] x{n}"
             for (p, shape), n in sorted(counts.items())]
 

@@ -7,7 +7,9 @@ failure is a SurgeryError; `_run` maps it to an exit code in one place:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import json
 import os
 import signal
@@ -232,6 +234,24 @@ def _render_coverage(cov: dict[str, Any]) -> None:
         click.echo(f"  eager {r['share']:>6.1%} {r['ms']:>9.3f} ms  {r['path']}")
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Any:
+    """Pause the cyclic garbage collector while a header's keys become objects.
+
+    Reading a header of N tensors allocates a few objects per key and frees almost none, so
+    the collector's generation-2 passes re-walk everything built so far, again and again: at
+    100k tensors that was about 0.6 s of `plan`'s 4 s (benchmarks/RESULTS.md). The objects
+    form no cycles worth collecting in a short command; reference counting still frees them.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 @cli.command(epilog=EPILOG)
 @click.argument("source", required=False, type=click.Path())
 @click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY", callback=_factory_spec,
@@ -331,8 +351,10 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
             raise OutputExistsError(out)
     comp = planner.compile_defaults(backend=backend, mode=mode, capture=capture)
     if source is not None:
-        result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
-                                         exclude=exclude, compile=comp, fold=fold, kind=kind)
+        with _no_cycle_collection():
+            result = planner.plan_checkpoint(source, key=key, prefix=prefix, include=include,
+                                             exclude=exclude, compile=comp, fold=fold,
+                                             kind=kind)
     else:
         assert model_spec is not None
         if input_spec is not None:
@@ -501,8 +523,10 @@ def verify(checkpoints: tuple[str, ...], manifest: str | None, deep: bool, key: 
         resolved = _resolve(checkpoint, fmt, quiet=as_json)
         progress = _Progress("scanning")
         try:
-            report = verify_checkpoint(resolved.path, key=key, prefix=prefix, manifest=manifest,
-                                       deep=deep, progress=progress, kind=resolved.kind)
+            with _no_cycle_collection():
+                report = verify_checkpoint(resolved.path, key=key, prefix=prefix,
+                                           manifest=manifest, deep=deep, progress=progress,
+                                           kind=resolved.kind)
         finally:
             progress.close()
         if as_json:

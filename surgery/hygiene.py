@@ -83,9 +83,15 @@ def model_keys(keys: list[str], *, prefix: str | None = None) -> ModelKeys:
             dropped[k] = f"outside --prefix {prefix}"
     else:
         names = {k: canonical_key(k) for k in keep}
+    # Two keys share a name only where one of them changed: group the changed ones, then add
+    # an unchanged key that already has their name (one pass over the few changed keys).
     groups: dict[str, list[str]] = {}
     for k, c in names.items():
-        groups.setdefault(c, []).append(k)
+        if c != k:
+            groups.setdefault(c, []).append(k)
+    for c, ks in groups.items():
+        if names.get(c) == c:
+            ks.append(c)
     collisions = {c: sorted(ks) for c, ks in sorted(groups.items()) if len(ks) > 1}
     return ModelKeys(names, dropped, collisions)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import os
 import re
 import sys
@@ -175,12 +176,15 @@ def compute_fingerprint(tensors: Mapping[str, Any]) -> str:
         names[c] = key
     if clashes:
         raise collision_error(clashes)
-    h = hashlib.sha256()
-    for c in sorted(names):
-        record = [c, [int(d) for d in tensors[names[c]].shape]]
-        h.update(json.dumps(record, ensure_ascii=True, separators=(",", ":")).encode())
-        h.update(b"\n")  # JSON text never holds a raw newline: it ends the record
-    return f"{FINGERPRINT_PREFIX}{h.hexdigest()}"
+    # Each record is the compact JSON text of [key, shape], spelled out here because
+    # json.dumps costs a new encoder per call: ["key",[2,3]]. The key goes through json's own
+    # ASCII string encoder; ints print the same in JSON and Python. JSON text never holds a raw
+    # newline: it ends each record.
+    quote = encode_basestring_ascii
+    text = "".join([
+        f"[{quote(c)},[{','.join([str(int(d)) for d in tensors[names[c]].shape])}]]\n"
+        for c in sorted(names)])
+    return f"{FINGERPRINT_PREFIX}{hashlib.sha256(text.encode()).hexdigest()}"
 
 
 # --- schema ------------------------------------------------------------------------------------

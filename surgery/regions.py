@@ -107,7 +107,10 @@ def _segments(path: str) -> list[str]:
 
 def natural_key(path: str) -> list[object]:
     """Sort `blocks.10` after `blocks.9`."""
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path)]
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in _DIGIT_RUNS.split(path)]
+
+
+_DIGIT_RUNS = re.compile(r"(\d+)")
 
 
 def _named_kind(path: str) -> str | None:

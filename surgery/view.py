@@ -104,16 +104,21 @@ class ModelView:
         """(elements, tensors, owning modules) under each module, from one pass."""
         self._index()
         if not self._numel:
-            numel = dict.fromkeys(self.modules, 0)
-            count = dict.fromkeys(self.modules, 0)
-            owners = dict.fromkeys(self.modules, 0)
+            numel: dict[str, int] = {}
+            count: dict[str, int] = {}
+            owners: dict[str, int] = {}
             for p, node in self.modules.items():
-                if node.tensors:
-                    own = sum(t.numel for t in node.tensors.values())
-                    for a in ancestors(p):
-                        numel[a] += own
-                        count[a] += len(node.tensors)
-                        owners[a] += 1
+                numel[p] = sum([t.numel for t in node.tensors.values()])
+                count[p] = len(node.tensors)
+                owners[p] = 1 if node.tensors else 0
+            # Deepest first, each module adds its sums to its parent's once: every parent
+            # (one dot fewer) is still to come, so its sums are whole when it adds them on.
+            for p in sorted(self.modules, key=lambda q: q.count("."), reverse=True):
+                if p:
+                    up = p.rpartition(".")[0]
+                    numel[up] += numel[p]
+                    count[up] += count[p]
+                    owners[up] += owners[p]
             self._numel = {p: (numel[p], count[p], owners[p]) for p in self.modules}
         return self._numel
 
@@ -137,7 +142,9 @@ def view_from_tensors(tensors: Mapping[str, TensorInfo]) -> ModelView:
     """A view from a state dict's keys: every key prefix is a module."""
     modules: dict[str, ModuleNode] = {"": ModuleNode("")}
     for key, info in tensors.items():
-        if len(key) > MAX_KEY_LENGTH or key.count(".") >= MAX_KEY_DEPTH:
+        # (a key shorter than MAX_KEY_DEPTH cannot hold that many dots: no count needed)
+        if len(key) >= MAX_KEY_DEPTH and (len(key) > MAX_KEY_LENGTH
+                                          or key.count(".") >= MAX_KEY_DEPTH):
             raise CheckpointError(
                 f"tensor key {key[:60]!r}... is {len(key)} characters and "
                 f"{key.count('.') + 1} segments long (limits: {MAX_KEY_LENGTH} characters, "
