@@ -18,6 +18,10 @@ Arms, each in a fresh process with an empty compile cache (all in one call with 
   surgery  ``surgery plan`` of the live model with its defaults, then ``apply_manifest`` under
            ``torch.inference_mode()`` with a warm-up of 3 calls (region capture: surgery
            replays one CUDA graph per region path and signature)
+  evidence the plan from evidence (``surgery plan --model --input``): the model runs the
+           driver's step 6 times watched (3 of them timed), regions are the subtrees that kept
+           one signature; then ``apply_manifest`` as for ``surgery``. Also reports the plan's
+           coverage of the eager step and the names-only plan's coverage of the same step.
 
 Every arm runs under ``torch.inference_mode()`` in bf16 (``ZOO_DTYPE=float32`` for fp32). For
 each arm: cold start (compile + warm-up, s), median and p90 latency per call (CUDA events,
@@ -48,7 +52,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 MODELS = ("timm_vit", "hf_bert", "gpt2_decode", "dit", "flux", "sd3")
-ARMS = ("eager", "whole", "surgery")
+ARMS = ("eager", "whole", "surgery", "evidence")
 TINY = os.environ.get("ZOO_SIZE") == "tiny"
 
 
@@ -210,6 +214,8 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     model = globals()[name]().to(device=dev, dtype=_dtype()).eval()
     step, reset = driver(name, model, dev)
     keys_before = set(model.state_dict())
+    if arm == "evidence":
+        manifest = _evidence_manifest(name, model, step, reset, out)
     reset()
     sync()
     if cuda:
@@ -223,7 +229,7 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
             call = torch.compile(model)
             for _ in range(2):
                 step(call)
-        elif arm == "surgery":
+        elif arm in ("surgery", "evidence"):
             from surgery import apply_manifest
 
             handle = apply_manifest(model, manifest, warmup=lambda m: step(m), passes=3,
@@ -273,6 +279,32 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     if handle is not None:
         handle.restore()
     return out
+
+
+def _evidence_manifest(name: str, model: Any, step: Callable[[Any], Any],
+                       reset: Callable[[], None], out: dict[str, Any]) -> Any:
+    """Plan `model` from a watched run of the driver's step (what ``plan --input`` does)."""
+    import torch
+
+    from surgery.evidence import coverage
+    from surgery.plan import compile_defaults
+    from surgery.plan_observed import manifest_from_evidence, watch_model
+
+    t = time.perf_counter()
+    reset()
+    with torch.inference_mode():
+        w = watch_model(model, lambda m: step(m), steps=6, timed_steps=3)
+    manifest = manifest_from_evidence(w, source=f"gpu_zoo:{name}", compile=compile_defaults())
+    out["plan_s"] = round(time.perf_counter() - t, 2)
+    out["planned"] = {r.kind: len(r.paths) for r in manifest.regions}
+    cov = manifest.coverage or {}
+    out["coverage_evidence"] = cov.get("covered_share")
+    names_paths = [c.path for c in w.names.regions]
+    out["coverage_names"] = coverage(w.obs, names_paths).get("covered_share")
+    out["hook_overhead_ms"] = cov.get("hook_overhead_ms")
+    out["remainder"] = cov.get("remainder", [])[:5]
+    out["left_out"] = len(manifest.left_out)
+    return manifest
 
 
 def run_all(models: list[str], arms: list[str], n_calls: int, timeout: int) -> list[dict]:

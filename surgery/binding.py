@@ -43,11 +43,14 @@ def key_pattern(key: str) -> str:
     return _NUMBERED_PART.sub("N", key)
 
 
-def key_summary(tensors: Mapping[str, Any]) -> list[str]:
-    """One entry per (canonical key pattern, shape), with how many keys have it."""
+def key_summary(tensors: Mapping[str, Any], *, canonical: bool = False) -> list[str]:
+    """One entry per (canonical key pattern, shape), with how many keys have it.
+
+    `canonical=True`: the keys are canonical already (see compute_fingerprint)."""
     sub = _NUMBERED_PART.sub
+    name = (lambda k: k) if canonical else canonical_key
     counts: Counter[tuple[str, tuple[int, ...]]] = Counter(
-        [(sub("N", canonical_key(k)), tuple(map(int, t.shape))) for k, t in tensors.items()])
+        [(sub("N", name(k)), tuple(map(int, t.shape))) for k, t in tensors.items()])
     return [f"{p} [{','.join(map(str, shape))}] x{n}"
             for (p, shape), n in sorted(counts.items())]
 
@@ -59,9 +62,9 @@ def dtype_counts(tensors: Mapping[str, Any]) -> dict[str, int]:
     return dict(sorted(Counter(normalize_dtype(t.dtype) for t in tensors.values()).items()))
 
 
-def binding_fields(tensors: Mapping[str, Any]) -> dict[str, Any]:
+def binding_fields(tensors: Mapping[str, Any], *, canonical: bool = False) -> dict[str, Any]:
     """What ``plan`` writes beside the fingerprint: the key brief and the dtype counts."""
-    return {"keys": key_summary(tensors), "dtypes": dtype_counts(tensors)}
+    return {"keys": key_summary(tensors, canonical=canonical), "dtypes": dtype_counts(tensors)}
 
 
 def legacy_fingerprint(tensors: Mapping[str, Any]) -> str:

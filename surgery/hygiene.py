@@ -106,7 +106,7 @@ def model_fingerprint(tensors: Mapping[str, TensorInfo], *, prefix: str | None =
     mk = model_keys(list(tensors), prefix=prefix)
     if mk.collisions:
         return None
-    return compute_fingerprint({c: tensors[k] for k, c in mk.names.items()})
+    return compute_fingerprint({c: tensors[k] for k, c in mk.names.items()}, canonical=True)
 
 
 # --- verify ---------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
     findings = check_keys(info.tensors, source=path, key=key, prefix=prefix)
     mk = model_keys(list(info.tensors), prefix=prefix)
     fingerprint = None if mk.collisions else compute_fingerprint(
-        {c: info.tensors[k] for k, c in mk.names.items()})
+        {c: info.tensors[k] for k, c in mk.names.items()}, canonical=True)
     if prefix is None:
         common = common_attribute_prefix(mk.names.values())
         if common is not None and len(mk.names) > 1:

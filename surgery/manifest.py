@@ -156,7 +156,7 @@ class Manifest:
 FINGERPRINT_PREFIX = "v2:sha256:"
 
 
-def compute_fingerprint(tensors: Mapping[str, Any]) -> str:
+def compute_fingerprint(tensors: Mapping[str, Any], *, canonical: bool = False) -> str:
     """The model's fingerprint: sha256 over its canonical keys and shapes, in key order.
 
     Why these and only these. The fingerprint binds a manifest to *a model*, and region paths
@@ -166,10 +166,14 @@ def compute_fingerprint(tensors: Mapping[str, Any]) -> str:
     hand-swapped compiled blocks still matches. Each record is a JSON array ``[key, shape]``, so
     no key, whatever characters it holds, can read as two records. ``tensors`` maps key -> any
     object with ``.shape`` (TensorInfo or torch.Tensor); nothing here imports torch.
+
+    `canonical=True` is the caller's word that the keys are canonical already (the planner's
+    and verify's tables, built by surgery.hygiene.model_keys, which refuses collisions): they
+    are hashed as they are, without stripping them again.
     """
     names: dict[str, str] = {}
     clashes: dict[str, list[str]] = {}
-    for key in tensors:
+    for key in () if canonical else tensors:
         c = canonical_key(key)
         if c in names:
             clashes.setdefault(c, [names[c]]).append(key)
@@ -181,9 +185,10 @@ def compute_fingerprint(tensors: Mapping[str, Any]) -> str:
     # ASCII string encoder; ints print the same in JSON and Python. JSON text never holds a raw
     # newline: it ends each record.
     quote = encode_basestring_ascii
+    table = tensors if canonical else {c: tensors[k] for c, k in names.items()}
     text = "".join([
-        f"[{quote(c)},[{','.join([str(int(d)) for d in tensors[names[c]].shape])}]]\n"
-        for c in sorted(names)])
+        f"[{quote(c)},[{','.join([str(int(d)) for d in table[c].shape])}]]\n"
+        for c in sorted(table)])
     return f"{FINGERPRINT_PREFIX}{hashlib.sha256(text.encode()).hexdigest()}"
 
 

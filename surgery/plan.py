@@ -211,9 +211,9 @@ def _manifest(view: ModelView, tensors: Mapping[str, TensorInfo], *, source: str
     regions.sort(key=lambda r: natural_key(r.paths[0]))
     model = {"source": source, **extra, "tensors": len(tensors),
              "parameters": sum(t.numel for t in tensors.values()),
-             "covered_parameters": covered, **binding_fields(tensors)}
+             "covered_parameters": covered, **binding_fields(tensors, canonical=True)}
     return Manifest(
-        fingerprint=compute_fingerprint(tensors), regions=regions,
+        fingerprint=compute_fingerprint(tensors, canonical=True), regions=regions,
         compile=compile, warmup=dict(DEFAULT_WARMUP),
         left_out=[LeftOut(p, k, r) for p, k, r in found.left_out], model=model)
 

@@ -127,8 +127,11 @@ def _is_streaming(view: ModelView, path: str) -> bool:
     return stream_reason(view, path) is not None
 
 
-def _layout(view: ModelView, path: str) -> frozenset[tuple[str, tuple[int, ...]]]:
-    return frozenset((k, t.shape) for k, t in view.subtree_tensors(path).items())
+def _layout(view: ModelView, path: str) -> frozenset[tuple[str, str, tuple[int, ...]]]:
+    """(module below `path`, tensor name, shape) of every tensor under `path`."""
+    pre = len(path) + 1
+    return frozenset([(p[pre:], name, t.shape) for p in view.subtree(path)
+                      for name, t in view.modules[p].tensors.items()])
 
 
 def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:

@@ -99,3 +99,5 @@ def test_fingerprint_records_are_json_dumps(shapes: dict[str, list[int]]) -> Non
     """Any key (quotes, backslashes, control and non-ASCII characters) hashes as json.dumps."""
     tensors = {k: SimpleNamespace(shape=tuple(v)) for k, v in shapes.items()}
     assert compute_fingerprint(tensors) == reference_fingerprint(tensors)
+    # the planner's shortcut for keys it has canonicalised already hashes the same records
+    assert compute_fingerprint(tensors, canonical=True) == reference_fingerprint(tensors)
