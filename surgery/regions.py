@@ -114,6 +114,8 @@ _DIGIT_RUNS = re.compile(r"(\d+)")
 
 
 def _named_kind(path: str) -> str | None:
+    if not path.rpartition(".")[2].isdigit():
+        return None  # most modules: not a numbered block
     seg = _segments(path)
     if len(seg) >= 2 and _is_index(seg[-1]):
         if seg[-2] == "frame_blocks":
@@ -137,8 +139,7 @@ def _layout(view: ModelView, path: str) -> frozenset[tuple[str, str, tuple[int, 
 def _repeated_groups(view: ModelView) -> list[tuple[str, list[str]]]:
     """Numbered containers and the children that form one repeated block."""
     out: list[tuple[str, list[str]]] = []
-    for path in view.modules:
-        kids = view.children(path)
+    for path, kids in view.child_index().items():
         if len(kids) < 2 or not all(_is_index(k.rsplit(".", 1)[-1]) for k in kids):
             continue
         if view.live:
@@ -201,7 +202,10 @@ def _candidates(view: ModelView) -> tuple[list[Candidate], list[tuple[str, str, 
 
 def _attn_projs(view: ModelView) -> list[str]:
     out = []
+    ends = tuple(".".join(s) for s in ATTN_PROJ_SUFFIXES)
     for path, node in view.modules.items():
+        if not path.endswith(ends):
+            continue  # (a cheap string test first: this runs for every module)
         seg = _segments(path)
         if any(tuple(seg[-len(s):]) == s for s in ATTN_PROJ_SUFFIXES) and \
                 any(len(t.shape) == 2 for t in node.tensors.values()):

@@ -52,8 +52,8 @@ class ModelView:
     # for BertModel) never passes one, so its blocks keep their fixed shapes.
     optional_cache_streams: bool = True
     _kids: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
-    _numel: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False,
-                                               compare=False)
+    # (elements, tensors, owning modules) under each module: three dicts, filled together
+    _numel: tuple[dict[str, int], ...] = field(default_factory=tuple, repr=False, compare=False)
     _indexed: int = field(default=-1, repr=False, compare=False)
 
     def _index(self) -> dict[str, list[str]]:
@@ -62,8 +62,12 @@ class ModelView:
             for p in self.modules:
                 if p:
                     kids.setdefault(p.rpartition(".")[0], []).append(p)
-            self._kids, self._numel, self._indexed = kids, {}, len(self.modules)
+            self._kids, self._numel, self._indexed = kids, (), len(self.modules)
         return self._kids
+
+    def child_index(self) -> dict[str, list[str]]:
+        """Every module that has children -> its children (the index itself: do not modify)."""
+        return self._index()
 
     def children(self, path: str) -> list[str]:
         """The direct children of `path` that are modules, in the view's order (a dict lookup)."""
@@ -90,17 +94,17 @@ class ModelView:
 
     def numel(self, path: str) -> int:
         """Elements of the tensors under `path`: every subtree is summed once, then looked up."""
-        return self._totals()[path][0] if path in self.modules else 0
+        return self._totals()[0][path] if path in self.modules else 0
 
     def has_tensors(self, path: str) -> bool:
         """Whether any tensor (even an empty one) lies under `path`."""
-        return path in self.modules and self._totals()[path][1] > 0
+        return path in self.modules and self._totals()[1][path] > 0
 
     def owners(self, path: str) -> int:
         """How many modules at or under `path` own tensors (1: a single layer, or a leaf)."""
-        return self._totals()[path][2] if path in self.modules else 0
+        return self._totals()[2][path] if path in self.modules else 0
 
-    def _totals(self) -> dict[str, tuple[int, int, int]]:
+    def _totals(self) -> tuple[dict[str, int], ...]:
         """(elements, tensors, owning modules) under each module, from one pass."""
         self._index()
         if not self._numel:
@@ -113,13 +117,17 @@ class ModelView:
                 owners[p] = 1 if node.tensors else 0
             # Deepest first, each module adds its sums to its parent's once: every parent
             # (one dot fewer) is still to come, so its sums are whole when it adds them on.
-            for p in sorted(self.modules, key=lambda q: q.count("."), reverse=True):
+            by_depth: dict[int, list[str]] = {}
+            for p in self.modules:
                 if p:
+                    by_depth.setdefault(p.count("."), []).append(p)
+            for depth in sorted(by_depth, reverse=True):
+                for p in by_depth[depth]:
                     up = p.rpartition(".")[0]
                     numel[up] += numel[p]
                     count[up] += count[p]
                     owners[up] += owners[p]
-            self._numel = {p: (numel[p], count[p], owners[p]) for p in self.modules}
+            self._numel = (numel, count, owners)
         return self._numel
 
 
