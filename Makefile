@@ -59,7 +59,7 @@ demo: $(STAMP)
 	$(BIN)/surgery export $(DEMO)/example.pt -o $(DEMO)/example.safetensors \
 		--manifest $(DEMO)/example.surgery.toml
 	$(BIN)/surgery verify $(DEMO)/example.safetensors --manifest $(DEMO)/example.surgery.toml
-	$(BIN)/python -m surgery.demo_apply $(DEMO)/example.safetensors
+	$(BIN)/python -m surgery.examples.demo $(DEMO)/example.safetensors
 	@echo "demo done: see $(DEMO)/"
 
 # Golden manifests of the tiny example model, reviewed as diffs.

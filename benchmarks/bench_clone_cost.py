@@ -36,8 +36,9 @@ import time
 import torch
 
 from surgery import examples
-from surgery.apply import apply_manifest, mark_step
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime.apply import apply_manifest, mark_step
 
 
 def regions(depth: int, *, clone_all: bool) -> list[Region]:

@@ -46,9 +46,10 @@ def measure(make: Callable[[], Any], call: str, shape: tuple[int, ...],
             n: int = 20000) -> dict[str, Any]:
     import torch
 
-    from surgery import apply as apply_mod
-    from surgery.apply import apply_manifest
-    from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+    from surgery.formats.fingerprint import compute_fingerprint
+    from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+    from surgery.runtime import apply as apply_mod
+    from surgery.runtime.apply import apply_manifest
 
     torch.manual_seed(0)
     holder = torch.nn.Module()

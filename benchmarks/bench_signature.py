@@ -26,7 +26,7 @@ def main() -> None:
     import torch
     from torch import nn
 
-    from surgery.budget import call_signature
+    from surgery.runtime.budget import call_signature
 
     m = nn.Linear(8, 8)
     x = torch.randn(4, 16, 64)

@@ -32,13 +32,13 @@ import sys, time
 kind, path = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 if kind == "header":
-    from surgery.checkpoint import read_safetensors_layout
+    from surgery.formats.st_file import read_safetensors_layout
     n = len(read_safetensors_layout(path).tensors)
 elif kind == "manifest":
-    from surgery.manifest import load_manifest
+    from surgery.formats.manifest import load_manifest
     n = sum(len(r.paths) for r in load_manifest(path).regions)
 else:
-    from surgery.checkpoint import read_safetensors_layout
+    from surgery.formats.st_file import read_safetensors_layout
     from surgery.errors import SurgeryError
     try:
         read_safetensors_layout(path)
@@ -68,7 +68,7 @@ def child(kind: str, path: str) -> tuple[float, int, float]:
 def write_manifest(path: str, n: int) -> None:
     import tomli_w
 
-    from surgery.manifest import Manifest, Region
+    from surgery.formats.manifest import Manifest, Region
 
     m = Manifest(fingerprint="sha256:" + "0" * 64,
                  regions=[Region(kind="block", paths=[f"blocks.{i}" for i in range(n)])])

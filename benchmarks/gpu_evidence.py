@@ -53,9 +53,10 @@ def spec() -> str:
 def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
     import torch
 
-    from surgery.evidence import coverage
-    from surgery.plan import compile_defaults, load_factory, plan_model
-    from surgery.plan_observed import build_live, manifest_from_evidence, watch_model
+    from surgery.formats.source import load_factory
+    from surgery.planning.evidence import coverage
+    from surgery.planning.observed import build_live, manifest_from_evidence, watch_model
+    from surgery.planning.plan import compile_defaults, plan_model
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"

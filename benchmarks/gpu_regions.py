@@ -111,7 +111,7 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
     """LingBot-Map's compile_model, as published: swap blocks, compile methods and attn.proj."""
     import torch
 
-    from surgery.examples import swap_in_compiled_blocks
+    from surgery.examples.demo import swap_in_compiled_blocks
 
     swap_in_compiled_blocks(model, mode="reduce-overhead")  # blocks and attn.proj
     for blk in model.aggregator.global_blocks:
@@ -124,7 +124,7 @@ def hand_recipe(model: Any, *, clone: bool) -> None:
 
 
 def plan_manifest(arm: str) -> Any:
-    from surgery.plan import compile_defaults, plan_model
+    from surgery.planning.plan import compile_defaults, plan_model
 
     include, exclude, backend, fold, _, capture = SURGERY_ARMS[arm]
     comp = compile_defaults(backend=backend, capture=capture)

@@ -77,8 +77,8 @@ def run_phase(phase: str, manifest: str, bundle: str, device: str) -> dict[str, 
     """One fresh process: build, fill the KV cache, apply (+ warm-up), time it; save or load."""
     import torch
 
-    import surgery.apply as sa
-    from surgery.apply import apply_manifest
+    import surgery.runtime.apply as sa
+    from surgery.runtime.apply import apply_manifest
 
     import_s = time.perf_counter() - STARTED
     cuda = device == "cuda"
@@ -139,8 +139,8 @@ def run_phase(phase: str, manifest: str, bundle: str, device: str) -> dict[str, 
 
 def run_all(*, size: str, device: str, dtype: str, timeout: int,
             keep: bool = False) -> list[dict[str, Any]]:
-    from surgery.manifest import save_manifest
-    from surgery.plan import plan_model
+    from surgery.formats.manifest import save_manifest
+    from surgery.planning.plan import plan_model
 
     work = tempfile.mkdtemp(prefix="warm_start_")
     env = {**os.environ, "WARM_START_SIZE": size, "WARM_START_DTYPE": dtype,

@@ -203,7 +203,7 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "arm": arm}
     manifest = None
     if arm == "surgery":
-        from surgery.plan import plan_model
+        from surgery.planning.plan import plan_model
 
         t = time.perf_counter()
         res = plan_model(f"gpu_zoo:{name}")
@@ -286,9 +286,9 @@ def _evidence_manifest(name: str, model: Any, step: Callable[[Any], Any],
     """Plan `model` from a watched run of the driver's step (what ``plan --input`` does)."""
     import torch
 
-    from surgery.evidence import coverage
-    from surgery.plan import compile_defaults
-    from surgery.plan_observed import manifest_from_evidence, watch_model
+    from surgery.planning.evidence import coverage
+    from surgery.planning.observed import manifest_from_evidence, watch_model
+    from surgery.planning.plan import compile_defaults
 
     t = time.perf_counter()
     reset()

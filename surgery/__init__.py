@@ -6,20 +6,21 @@ pay for `import torch` until a tensor is touched.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "apply_manifest": "surgery.apply",
-    "mark_step": "surgery.apply",
-    "ApplyHandle": "surgery.apply",
-    "RegionRecord": "surgery.apply",
-    "load_manifest": "surgery.manifest",
-    "load_exported": "surgery.exported",
-    "Exported": "surgery.exported",
-    "Manifest": "surgery.manifest",
-    "Region": "surgery.manifest",
+    "apply_manifest": "surgery.runtime.apply",
+    "mark_step": "surgery.runtime.apply",
+    "ApplyHandle": "surgery.runtime.apply",
+    "RegionRecord": "surgery.runtime.apply",
+    "load_manifest": "surgery.formats.manifest",
+    "load_exported": "surgery.formats.source",
+    "Exported": "surgery.formats.source",
+    "Manifest": "surgery.formats.manifest",
+    "Region": "surgery.formats.manifest",
     "SurgeryError": "surgery.errors",
 }
 
@@ -28,8 +29,6 @@ __all__ = ["__version__", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

@@ -19,8 +19,8 @@ def golden_texts() -> dict[str, str]:
     from safetensors.torch import save_file
 
     from surgery.examples import tiny
-    from surgery.manifest import dumps_manifest
-    from surgery.plan import plan_checkpoint, plan_model
+    from surgery.formats.manifest import dumps_manifest
+    from surgery.planning.plan import plan_checkpoint, plan_model
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, CHECKPOINT_NAME)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from surgery import examples
-from surgery.apply import apply_manifest, mark_step
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime.apply import apply_manifest, mark_step
 
 FRAMES = 4
 # Inductor and eager both call cuBLAS for the float32 matmuls (TF32 off by default); fusion
@@ -90,11 +91,11 @@ def test_kv_cache_streaming_needs_cloned_region_outputs(clone: bool) -> None:
 @pytest.mark.cuda
 def test_planned_manifest_streams_correctly_with_cuda_graphs() -> None:
     """The plan clones only where outputs outlive the step (attn_pre); that must be enough."""
-    from surgery.plan import plan_model
+    from surgery.planning.plan import plan_model
 
     torch.manual_seed(0)
     model = examples.tiny().cuda().eval()
-    from surgery.plan import compile_defaults
+    from surgery.planning.plan import compile_defaults
 
     manifest = plan_model("surgery.examples:tiny",
                           compile=compile_defaults(capture="compiler")).manifest  # trees
@@ -111,7 +112,7 @@ def test_planned_manifest_streams_correctly_with_cuda_graphs() -> None:
 
 
 def _region_capture_manifest() -> Manifest:
-    from surgery.plan import compile_defaults, plan_model
+    from surgery.planning.plan import compile_defaults, plan_model
 
     return plan_model("surgery.examples:tiny", compile=compile_defaults(capture="region")).manifest
 

@@ -19,9 +19,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from surgery import atomic
-from surgery.atomic import TEMP_MARK, AtomicGroup, recover, write_text_atomic
 from surgery.errors import OutputExistsError, SurgeryError
+from surgery.formats import atomic, safe_write
+from surgery.formats.atomic import TEMP_MARK, AtomicGroup
+from surgery.formats.safe_write import recover, write_text_atomic
 from surgery.hygiene import export_checkpoint
 
 OLD = b"# the previous manifest\n" * 50
@@ -335,7 +336,7 @@ def test_two_concurrent_exports_one_wins_one_output_exists(tmp_path, monkeypatch
 # --- what a killed run leaves is proven its own before it is removed -----------------------------
 
 def test_recover_only_touches_dead_writers_of_this_destination(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(atomic, "_STARTED", 2e9)  # everything on disk predates "this run"
+    monkeypatch.setattr(safe_write, "_STARTED", 2e9)  # everything on disk predates "this run"
     dest = tmp_path / "m.toml"
     p = subprocess.Popen(["true"])  # a pid that has exited
     p.wait()

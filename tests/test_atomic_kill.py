@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from surgery.atomic import OLD_MARK, TEMP_MARK
+from surgery.formats.atomic import OLD_MARK, TEMP_MARK
 from tests.test_atomic import make_source, tensors
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -29,7 +29,7 @@ RUNS = 6  # SIGKILLs per layout: bounded time (each run is a fresh interpreter)
 
 DRIVER = r"""
 import os, sys, time
-import surgery.stream as st
+import surgery.formats.stream as st
 
 delay = float(os.environ.get("SLOW_TENSOR", "0"))
 real_write_to = st.SafetensorsSource.write_to

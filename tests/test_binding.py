@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from surgery import examples
-from surgery.apply import apply_manifest
-from surgery.binding import binding_fields, explain, key_summary, legacy_fingerprint
-from surgery.checkpoint import TensorInfo
 from surgery.errors import FingerprintMismatchError
-from surgery.manifest import Manifest, Region, compute_fingerprint, dumps_manifest, parse_manifest
-from surgery.resolve import bind_model
+from surgery.examples import demo
+from surgery.formats.binding import binding_fields, explain, key_summary, legacy_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import Manifest, Region, dumps_manifest, parse_manifest
+from surgery.formats.tensors import TensorInfo
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.resolve import bind_model
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -55,13 +57,13 @@ def test_records_cannot_run_together(one: dict[str, tuple[int, ...]],
 
 def test_fingerprint_is_over_canonical_keys_and_stays_torch_free() -> None:
     sd = examples.tiny().state_dict()
-    swapped = examples.swap_in_compiled_blocks(examples.tiny()).state_dict()
+    swapped = demo.swap_in_compiled_blocks(examples.tiny()).state_dict()
     assert any("_orig_mod." in k for k in swapped)
     assert compute_fingerprint(swapped) == compute_fingerprint(sd)
     code = ("import sys\n"
-            "from surgery.checkpoint import TensorInfo\n"
-            "from surgery.binding import bind, binding_fields\n"
-            "from surgery.manifest import compute_fingerprint\n"
+            "from surgery.formats.checkpoint import TensorInfo\n"
+            "from surgery.formats.binding import bind, binding_fields\n"
+            "from surgery.formats.fingerprint import compute_fingerprint\n"
             "t = {'a._orig_mod.w': TensorInfo((2, 3), 'BF16')}\n"
             "fp = compute_fingerprint(t)\n"
             "assert bind(fp, binding_fields(t), {'a.w': TensorInfo((2, 3), 'F32')}).matches\n"
@@ -72,10 +74,10 @@ def test_fingerprint_is_over_canonical_keys_and_stays_torch_free() -> None:
 def test_a_live_model_with_hand_swapped_compiled_blocks_matches_its_manifest() -> None:
     """The recipe that swaps torch.compile-d blocks into their parents leaves `_orig_mod.` in
     the live keys; the manifest planned from the clean model still binds."""
-    from surgery.plan import plan_model
+    from surgery.planning.plan import plan_model
 
     manifest = plan_model("surgery.examples:tiny").manifest
-    live = examples.swap_in_compiled_blocks(examples.tiny())
+    live = demo.swap_in_compiled_blocks(examples.tiny())
     assert any("_orig_mod." in k for k in live.state_dict())
     binding = bind_model(live, manifest)
     assert binding.matches and binding.actual == manifest.fingerprint
@@ -89,7 +91,7 @@ def test_a_live_model_with_hand_swapped_compiled_blocks_matches_its_manifest() -
     pytest.param(lambda m: m.to("meta"), id="to-device"),
 ])
 def test_a_manifest_planned_in_float32_binds_the_cast_model_with_a_note(cast) -> None:
-    from surgery.plan import plan_model
+    from surgery.planning.plan import plan_model
 
     manifest = parse_manifest(dumps_manifest(plan_model("surgery.examples:tiny").manifest))
     model = cast(examples.tiny())
@@ -216,8 +218,8 @@ def test_verify_and_export_say_what_differs(tmp_path) -> None:
     from safetensors.torch import save_file
 
     from surgery.errors import FingerprintMismatchError as Mismatch
+    from surgery.formats.manifest import save_manifest
     from surgery.hygiene import export_checkpoint, verify_checkpoint
-    from surgery.manifest import save_manifest
 
     man = tmp_path / "m.surgery.toml"
     save_manifest(_manifest_for(_Saved(), ["head"]), str(man))

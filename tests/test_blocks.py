@@ -7,9 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.checkpoint import TensorInfo
-from surgery.plan import plan_checkpoint, view_from_module
-from surgery.regions import ATTN_PROJ, FIXED_PART, REPEATED_BLOCK, find_regions, view_from_tensors
+from surgery.formats.tensors import TensorInfo
+from surgery.planning.plan import plan_checkpoint, view_from_module
+from surgery.planning.regions import (
+    ATTN_PROJ,
+    FIXED_PART,
+    REPEATED_BLOCK,
+    find_regions,
+    view_from_tensors,
+)
 
 
 def _kinds(found) -> dict[str, list[str]]:

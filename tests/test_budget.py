@@ -15,10 +15,11 @@ from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
-from surgery.apply import RegionFallbackWarning, SurgeryWarning, apply_manifest
-from surgery.budget import call_signature, explain_new, fix_for, fresh_function
 from surgery.errors import RegionError
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime.apply import RegionFallbackWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.budget import call_signature, explain_new, fix_for, fresh_function
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 EXACT = {"atol": 1e-6, "rtol": 1e-5}

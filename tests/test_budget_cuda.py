@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.apply import SurgeryWarning, apply_manifest
-from surgery.graphs import MAX_GRAPHS_PER_PATH
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime.apply import SurgeryWarning, apply_manifest
+from surgery.runtime.graphs.replay import MAX_GRAPHS_PER_PATH
 
 TOL = {"atol": 1e-3, "rtol": 1e-3}  # inductor vs cuBLAS, float32
 

@@ -31,13 +31,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-from surgery import cache, signing
-from surgery.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
-from surgery.artifacts import ArtifactError, key_problem, read_artifacts
-from surgery.bundle_env import environment_without_torch, same_torch
 from surgery.cli import cli
 from surgery.errors import CacheKeyError
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint, save_manifest
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
+from surgery.runtime import bundle, bundle_env, cache, signing
+from surgery.runtime.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.artifacts import ArtifactError, key_problem, read_artifacts
+from surgery.runtime.bundle_env import environment_without_torch, same_torch
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 ATTACKER_KEY = bytes(range(32))
@@ -97,7 +98,7 @@ def spy(monkeypatch) -> list[bytes]:
 
 
 def _manifest(site: Path) -> Manifest:
-    from surgery.manifest import load_manifest
+    from surgery.formats.manifest import load_manifest
 
     return load_manifest(str(site / "net.surgery.toml"))
 
@@ -105,11 +106,12 @@ def _manifest(site: Path) -> Manifest:
 def _record(site: Path) -> dict:
     """A record that fits this machine and manifest, as an attacker who read the code makes it."""
     return cache.bundle_metadata(_manifest(site), overrides=AOT,
-                                 env=cache.environment(device="cpu"), artifacts={"inductor": 1})
+                                 env=bundle_env.environment(device="cpu"),
+                                 artifacts={"inductor": 1})
 
 
 def _raw_bundle(path: Path, meta: bytes, blob: bytes, *, key: bytes,
-                magic: bytes = cache.MAGIC) -> None:
+                magic: bytes = bundle.MAGIC) -> None:
     """Any metadata bytes, signed as surgery signs (the key holder's hand, or the attacker's
     own key)."""
     lengths = struct.pack("<QQ", len(meta), len(blob))
@@ -157,7 +159,7 @@ def test_forger_who_recomputes_every_hash_but_lacks_the_key(site, env_key, spy) 
     """(a) The attacker knows the format, makes a record that fits, and signs with a key of
     their own: the MAC does not verify, so nothing is parsed or handed to torch."""
     path = site / "net.surgery.cache"
-    cache.write_bundle(str(path), payload_blob(site / "PWNED", traversal=site / "WRITTEN"),
+    bundle.write_bundle(str(path), payload_blob(site / "PWNED", traversal=site / "WRITTEN"),
                        _record(site), key=ATTACKER_KEY)
     caught, report = _apply(site)
     _nothing_ran(site, spy)
@@ -182,7 +184,7 @@ def test_format_1_bundle_with_a_recomputed_sha256_is_unsigned(site, env_key, spy
 
 def test_without_a_key_a_bundle_is_never_loaded(site, no_key, spy) -> None:
     """Even a genuine one: without the key nothing can tell it from a forgery."""
-    cache.write_bundle(str(site / "net.surgery.cache"), payload_blob(site / "PWNED"),
+    bundle.write_bundle(str(site / "net.surgery.cache"), payload_blob(site / "PWNED"),
                        _record(site), key=KEY)
     caught, _ = _apply(site)
     _nothing_ran(site, spy)
@@ -203,7 +205,7 @@ def test_traversal_keys_are_refused_even_when_signed(site, env_key, spy, key, wh
     """(b) Signed by the key holder, so trusted; its keys are still checked (defence in
     depth), and a key that leaves torch's cache folder refuses the whole bundle."""
     blob = torch_cache_blob([("autotune", [("ab/fine.best_config", b"{}"), (key, b"{}")])])
-    cache.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
     caught, _ = _apply(site)
     _nothing_ran(site, spy)
     assert len(caught) == 1 and why in caught[0] and "refused" in caught[0]
@@ -211,7 +213,7 @@ def test_traversal_keys_are_refused_even_when_signed(site, env_key, spy, key, wh
 
 def test_absolute_key_pointing_at_a_real_file_writes_nothing(site, env_key, spy) -> None:
     blob = payload_blob(site / "PWNED", traversal=site / "WRITTEN")
-    cache.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
     caught, _ = _apply(site)
     _nothing_ran(site, spy)
     assert len(caught) == 1 and "absolute path" in caught[0]
@@ -232,7 +234,7 @@ def test_nested_metadata_is_ignored_not_raised(site, env_key, spy, signer) -> No
 
 def test_unknown_artifact_type_is_refused(site, env_key, spy) -> None:
     blob = torch_cache_blob([("mystery", [("k", b"")])])
-    cache.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
     caught, _ = _apply(site)
     _nothing_ran(site, spy)
     assert len(caught) == 1 and "'mystery' is not one torch writes" in caught[0]
@@ -251,7 +253,7 @@ def test_a_genuine_signed_bundle_loads(site, env_key, spy) -> None:
     """Signed with the deployer's key, fitting, with a benign autotune artifact: torch gets the
     exact bytes and writes the artifact inside its cache folder."""
     blob = torch_cache_blob([("autotune", [("ab/abcdef.best_config", b'{"XBLOCK": 8}')])])
-    cache.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), blob, _record(site), key=KEY)
     caught, report = _apply(site)
     assert caught == []
     assert report.cache.loaded is True and "1 autotune artifact" in report.cache.reason  # type: ignore[attr-defined]
@@ -263,7 +265,7 @@ def test_a_key_file_works_as_well_as_the_variable(site, monkeypatch, spy, tmp_pa
     (tmp_path / "cache.key").write_text(KEY_HEX + "\n")
     monkeypatch.delenv(signing.ENV_KEY, raising=False)
     monkeypatch.setenv(signing.ENV_KEY_FILE, str(tmp_path / "cache.key"))
-    cache.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
     caught, report = _apply(site)
     assert caught == [] and report.cache.loaded is True  # type: ignore[attr-defined]
 
@@ -290,7 +292,7 @@ def _check_ignored(path: str) -> None:
 @settings(max_examples=1000, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=300) | st.builds(
-    lambda tail: cache.MAGIC + tail, st.binary(max_size=300)))
+    lambda tail: bundle.MAGIC + tail, st.binary(max_size=300)))
 def test_fuzz_any_bytes_are_ignored_with_a_reason(env_key, data: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "x.surgery.cache")
@@ -353,7 +355,7 @@ def _verify_note(site: Path, checkpoint: str) -> dict:
 
 
 def test_verify_says_signature_does_not_verify(site, checkpoint, env_key) -> None:
-    cache.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site),
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site),
                        key=ATTACKER_KEY)
     note = _verify_note(site, checkpoint)
     assert note["code"] == "SG302" and "signature does not verify" in note["title"]
@@ -367,20 +369,20 @@ def test_verify_says_unsigned(site, checkpoint, env_key) -> None:
 
 
 def test_verify_says_no_key_to_check_it(site, checkpoint, no_key) -> None:
-    cache.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
     note = _verify_note(site, checkpoint)
     assert note["code"] == "SG302" and "no key to check it" in note["title"]
     assert signing.ENV_KEY_FILE in note["fix"]
 
 
 def test_verify_says_fits_only_when_signed_with_the_key(site, checkpoint, env_key) -> None:
-    cache.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
     note = _verify_note(site, checkpoint)
     assert note["code"] == "SG301" and "signature verified" in note["detail"]["reason"]
 
 
 def test_verify_checks_the_signature_without_importing_torch(site, checkpoint, env_key) -> None:
-    cache.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site),
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site),
                        key=ATTACKER_KEY)
     code = ("import sys\nfrom click.testing import CliRunner\nfrom surgery.cli import cli\n"
             f"r = CliRunner().invoke(cli, ['verify', {checkpoint!r}, '--manifest', "
@@ -403,7 +405,7 @@ def test_verify_checks_the_signature_without_importing_torch(site, checkpoint, e
 def test_torch_versions_compare_honestly(built, here, same) -> None:
     assert same_torch(built, here) is same
     meta = {"manifest": {"fingerprint": "f", "key": "k"}, "env": {"torch": built}}
-    why = cache.mismatches(meta, fingerprint="f", key="k", overrides=None,
+    why = bundle.mismatches(meta, fingerprint="f", key="k", overrides=None,
                            env={"torch": here}, skip=("triton", "cuda", "device", "python",
                                                       "platform"))
     assert (why == []) is same

@@ -24,12 +24,14 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 from torch import nn
 
-from surgery import cache
-from surgery.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
 from surgery.cli import cli
 from surgery.errors import CacheBundleError
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint, save_manifest
-from surgery.signing import ENV_KEY, ENV_KEY_FILE
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
+from surgery.runtime import bundle as bundle_file
+from surgery.runtime import bundle_env, cache
+from surgery.runtime.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs
 
@@ -100,7 +102,7 @@ def project(tmp_path, monkeypatch) -> Path:
 def _model_and_manifest(project: Path) -> tuple[nn.Module, Manifest]:
     import warmmod  # type: ignore[import-not-found]
 
-    from surgery.manifest import load_manifest
+    from surgery.formats.manifest import load_manifest
 
     return warmmod.build().eval(), load_manifest(str(project / "net.surgery.toml"))
 
@@ -108,7 +110,7 @@ def _model_and_manifest(project: Path) -> tuple[nn.Module, Manifest]:
 def _fitting_bundle(project: Path, *, blob: bytes = EMPTY_BLOB, **changes: object) -> str:
     """A bundle whose record fits this machine and manifest (with `changes` applied)."""
     _, m = _model_and_manifest(project)
-    meta = cache.bundle_metadata(m, overrides=AOT, env=cache.environment(device="cpu"),
+    meta = cache.bundle_metadata(m, overrides=AOT, env=bundle_env.environment(device="cpu"),
                                  artifacts={"inductor": 1})
     for dotted, value in changes.items():
         *outer, last = dotted.split("__")
@@ -117,7 +119,7 @@ def _fitting_bundle(project: Path, *, blob: bytes = EMPTY_BLOB, **changes: objec
             d = d[k]
         d[last] = value
     path = str(project / "net.surgery.cache")
-    cache.write_bundle(path, blob, meta, key=KEY)
+    bundle_file.write_bundle(path, blob, meta, key=KEY)
     return path
 
 
@@ -146,16 +148,16 @@ def _apply_with(project: Path, bundle: str | bool) -> tuple[list[warnings.Warnin
     pytest.param("weird", "weird.surgery.cache", id="no-suffix"),
 ])
 def test_default_bundle_path(manifest: str, bundle: str) -> None:
-    assert cache.default_bundle_path(manifest) == bundle
+    assert bundle_file.default_bundle_path(manifest) == bundle
 
 
 def test_write_read_roundtrip_is_atomic(project) -> None:
     big = torch_cache_blob([("inductor", [("fkey", b"x" * 1000)])])
     path = _fitting_bundle(project, blob=big)
-    meta, blob = cache.read_bundle(path, key=KEY)
+    meta, blob = bundle_file.read_bundle(path, key=KEY)
     assert blob == big and meta["blob"]["bytes"] == len(big)
     assert meta["env"]["device"] == "cpu" and meta["overrides"] == AOT
-    from surgery.atomic import TEMP_MARK
+    from surgery.formats.atomic import TEMP_MARK
 
     assert [p.name for p in project.iterdir() if TEMP_MARK in p.name] == []
 
@@ -180,7 +182,7 @@ def test_read_refuses_damaged_bundles(project, damage, message) -> None:
     with open(path, "wb") as f:
         f.write(damage(data))
     with pytest.raises(CacheBundleError, match=message):
-        cache.read_bundle(path, key=KEY)
+        bundle_file.read_bundle(path, key=KEY)
 
 
 # --- apply_manifest falls back, once and cleanly ----------------------------------------------
@@ -268,7 +270,7 @@ def test_in_memory_manifest_has_nowhere_to_save(project) -> None:
 
 LOAD_SRC = textwrap.dedent('''
     import json, sys, torch, warmmod
-    from surgery.apply import apply_manifest
+    from surgery.runtime.apply import apply_manifest
     model = warmmod.build().eval()
     x = warmmod.example(model)
     with torch.no_grad():

@@ -12,17 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from surgery.checkpoint import (
-    TensorInfo,
-    checkpoint_kind,
-    normalize_dtype,
-    read_checkpoint,
-    read_index,
-    read_safetensors_header,
-    select_state_dict,
-)
 from surgery.errors import CheckpointError, UnsafeCheckpointError
 from surgery.examples import tiny
+from surgery.formats.checkpoint import read_checkpoint, read_index
+from surgery.formats.pickled import select_state_dict
+from surgery.formats.st_file import read_safetensors_header
+from surgery.formats.tensors import TensorInfo, checkpoint_kind, normalize_dtype
 
 SD = tiny().state_dict()
 KEYS = set(SD)
@@ -66,7 +61,7 @@ def test_dtypes_normalise_to_one_spelling(tmp_path) -> None:
 def test_safetensors_header_only_without_torch(tmp_path) -> None:
     path = str(tmp_path / "m.safetensors")
     save_file(SD, path, metadata={"format": "pt"})
-    code = ("import sys\nfrom surgery.checkpoint import read_checkpoint\n"
+    code = ("import sys\nfrom surgery.formats.checkpoint import read_checkpoint\n"
             f"info = read_checkpoint({path!r})\n"
             "print(len(info.tensors), info.metadata['format'])\n"
             "assert 'torch' not in sys.modules\n")

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
+import surgery.formats.source
 import surgery.hygiene
-import surgery.plan
-import surgery.source
+import surgery.planning.plan
 from surgery.cli import cli
 
 CASES = [
@@ -30,9 +30,9 @@ COMMANDS = [
     pytest.param(["verify", "{f}"], (surgery.hygiene, "verify_checkpoint"), id="verify"),
     pytest.param(["export", "{f}", "-o", "{d}/o.safetensors"],
                  (surgery.hygiene, "export_checkpoint"), id="export"),
-    pytest.param(["plan", "{f}", "-o", "{d}/m.surgery.toml"], (surgery.plan, "plan_checkpoint"),
-                 id="plan"),
-    pytest.param(["check", "{f}"], (surgery.source, "load_manifest_file"), id="check"),
+    pytest.param(["plan", "{f}", "-o", "{d}/m.surgery.toml"],
+                 (surgery.planning.plan, "plan_checkpoint"), id="plan"),
+    pytest.param(["check", "{f}"], (surgery.formats.source, "load_manifest_file"), id="check"),
 ]
 
 

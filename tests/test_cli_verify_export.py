@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from surgery.cli import cli
 from surgery.examples import tiny
-from surgery.manifest import Manifest, Region, compute_fingerprint, dumps_manifest
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import Manifest, Region, dumps_manifest
 
 SD = tiny().state_dict()
 REGIONAL = {k.replace("frame_blocks.0.", "frame_blocks.0._orig_mod."): v for k, v in SD.items()}

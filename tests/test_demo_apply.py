@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from surgery.demo_apply import main
-from surgery.examples import save_hand_compiled_checkpoint
+from surgery.examples.demo import main, save_hand_compiled_checkpoint
+from surgery.formats.manifest import save_manifest
 from surgery.hygiene import export_checkpoint
-from surgery.manifest import save_manifest
-from surgery.plan import plan_checkpoint
+from surgery.planning.plan import plan_checkpoint
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -213,7 +213,7 @@ def test_readme_tables_list_every_code() -> None:
     import inspect
 
     from surgery import errors
-    from surgery.keys import CODES
+    from surgery.formats.keys import CODES
 
     readme = (ROOT / "README.md").read_text()
     for code in CODES:

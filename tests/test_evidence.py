@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.evidence import RECOMPILE_BUDGET, choose_regions, coverage
-from surgery.observe import Observation, fold_times, observe
+from surgery.planning.evidence import RECOMPILE_BUDGET, choose_regions, coverage
+from surgery.planning.observation import Observation, fold_times
+from surgery.planning.observe import observe
 
 
 class Mlp(nn.Module):

@@ -6,7 +6,8 @@ import inspect
 
 import torch
 
-from surgery.examples import LINGBOT, GlobalBlock, lingbot, save_hand_compiled_checkpoint, tiny
+from surgery.examples import LINGBOT, GlobalBlock, lingbot, tiny
+from surgery.examples.demo import save_hand_compiled_checkpoint
 
 
 def test_tiny_streams_and_caches_region_outputs() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from surgery.examples import lingbot_sdpa, stream_step, tiny_sdpa
-from surgery.examples_sdpa import LINGBOT_SDPA, Rope2D, RopeBlock
+from surgery.examples.sdpa import LINGBOT_SDPA, Rope2D, RopeBlock
 
 
 def test_streams_depth_and_pose_and_grows_its_caches() -> None:

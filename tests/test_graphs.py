@@ -19,11 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-from surgery import apply as apply_mod
 from surgery import examples
-from surgery.apply import SurgeryWarning, apply_manifest
-from surgery.graphs import RegionGraphs
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime import apply as apply_mod
+from surgery.runtime.apply import SurgeryWarning, apply_manifest
+from surgery.runtime.graphs import outputs
+from surgery.runtime.graphs.replay import RegionGraphs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -92,7 +94,7 @@ def test_second_call_captures_and_later_calls_replay_with_their_own_inputs() -> 
 
 
 def test_without_storage_use_counts_nothing_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
-    from surgery import graphs
+    from surgery.runtime.graphs import outputs as graphs
 
     monkeypatch.setattr(graphs, "_use_count", None)
     lin = nn.Linear(4, 3)
@@ -101,7 +103,7 @@ def test_without_storage_use_counts_nothing_is_captured(monkeypatch: pytest.Monk
         for _ in range(4):
             x = torch.randn(2, 4)
             torch.testing.assert_close(g((x,), {}, calls), lin(x))
-    assert (g.captures, calls.runs) == (0, 4) and g.notes == [graphs.NO_USE_COUNT]
+    assert (g.captures, calls.runs) == (0, 4) and g.notes == [outputs.NO_USE_COUNT]
 
 
 def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
@@ -126,7 +128,7 @@ def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
 
 
 def test_a_path_dropped_without_restore_leaves_nothing_in_the_capturer() -> None:
-    from surgery.graphs import CudaCapturer
+    from surgery.runtime.graphs.replay import CudaCapturer
 
     assert isinstance(CudaCapturer(0).owned, weakref.WeakValueDictionary)
     lin = nn.Linear(4, 3)
@@ -168,7 +170,7 @@ def test_a_new_signature_runs_compiled_then_gets_its_own_graph() -> None:
 
 
 def test_signatures_past_the_limit_run_compiled_and_are_noted() -> None:
-    from surgery.graphs import MAX_GRAPHS_PER_PATH
+    from surgery.runtime.graphs.replay import MAX_GRAPHS_PER_PATH
 
     lin = nn.Linear(4, 3)
     g, calls, _, _ = graphs_for(lin)
@@ -220,7 +222,7 @@ def test_outputs_still_held_get_a_ring_of_output_sets() -> None:
 
 
 def test_past_the_ring_the_path_clones_and_says_so() -> None:
-    from surgery.graphs import MAX_OUTPUT_SETS
+    from surgery.runtime.graphs.outputs import MAX_OUTPUT_SETS
 
     lin = nn.Linear(4, 3)
     g, calls, warned, _ = graphs_for(lin)
@@ -503,7 +505,7 @@ def test_capture_region_without_cuda_follows_on_cpu() -> None:
 def test_switching_a_region_plan_to_the_compilers_graphs_warns_about_clones(
         fake_cuda: FakeCapturer) -> None:
     """A plan for capture='region' clones nothing; trees would overwrite the KV cache."""
-    from surgery.plan import plan_model
+    from surgery.planning.plan import plan_model
 
     model = examples.tiny().eval()
     manifest = plan_model("surgery.examples:tiny").manifest
@@ -520,8 +522,8 @@ def test_switching_a_region_plan_to_the_compilers_graphs_warns_about_clones(
 
 
 def test_compile_plan_for_capture_region() -> None:
-    from surgery.compile_options import plan_region
     from surgery.errors import RegionError
+    from surgery.runtime.compile_options import plan_region
 
     model = examples.tiny()
     # mode and capture at the same level: surgery captures, inductor's trees are turned off.
@@ -601,7 +603,7 @@ def test_inference_mode_an_input_written_in_place_is_written_back() -> None:
 
 
 def test_write_probe_is_exact_for_normal_tensors_and_sees_changed_bytes_of_inference_ones() -> None:
-    from surgery.inplace import WriteProbe
+    from surgery.runtime.graphs.capture import WriteProbe
 
     a, b = torch.zeros(3), torch.zeros(3)
     probe = WriteProbe([a, b])

@@ -14,13 +14,6 @@ import torch
 from safetensors.torch import save_file
 from wrapped import BUILDERS, gloo_group
 
-from surgery.checkpoint import (
-    META_ALIASES,
-    META_FINGERPRINT,
-    load_exported,
-    read_embedded_manifest,
-    read_safetensors_layout,
-)
 from surgery.errors import (
     CheckpointError,
     FingerprintMismatchError,
@@ -30,8 +23,14 @@ from surgery.errors import (
     UnsafeCheckpointError,
 )
 from surgery.examples import tiny
-from surgery.hygiene import count_nonfinite, export_checkpoint, verify_checkpoint
-from surgery.manifest import Manifest, Region, compute_fingerprint, dumps_manifest
+from surgery.formats.checkpoint import load_export_tensors as load_exported
+from surgery.formats.checkpoint import read_embedded_manifest
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import Manifest, Region, dumps_manifest
+from surgery.formats.st_file import read_safetensors_layout
+from surgery.formats.tensors import META_ALIASES, META_FINGERPRINT
+from surgery.hygiene import export_checkpoint, verify_checkpoint
+from surgery.hygiene.verify import count_nonfinite
 
 CLEAN_KEYS = set(tiny().state_dict())
 
@@ -83,7 +82,7 @@ def test_regional_compile_findings_are_grouped() -> None:
     from wrapped import _regional
 
     from surgery.examples import LINGBOT, ExampleModel
-    from surgery.keys import check_keys
+    from surgery.formats.keys import check_keys
 
     with torch.device("meta"):
         m = _regional(ExampleModel(LINGBOT))
@@ -276,7 +275,7 @@ def test_deep_finds_nonfinite_and_float64(tmp_path) -> None:
     for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
               torch.float8_e5m2, torch.complex64)])
 def test_count_nonfinite_bit_patterns(dtype) -> None:
-    from surgery.checkpoint import normalize_dtype
+    from surgery.formats.tensors import normalize_dtype
 
     vals = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, -2.5])
     t = vals.to(dtype) if not dtype.is_complex else torch.complex(vals, torch.zeros(6))
@@ -309,7 +308,7 @@ def test_sharded_export_and_verify(tmp_path) -> None:
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch) -> None:
     src = str(tmp_path / "c.pt")
     torch.save({f"_orig_mod.{k}": v for k, v in tiny().state_dict().items()}, src)
-    from surgery import stream
+    from surgery.formats import stream
 
     calls = {"n": 0}
     real = stream.PickleSource.write_to

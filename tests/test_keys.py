@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from surgery.errors import KeyCollisionError
-from surgery.keys import (
+from surgery.formats.keys import (
     CODES,
     SEGMENTS,
     canonical_key,

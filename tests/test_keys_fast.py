@@ -16,8 +16,8 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from surgery.hygiene import model_keys
-from surgery.keys import (
+from surgery.formats.fingerprint import FINGERPRINT_PREFIX, compute_fingerprint, model_keys
+from surgery.formats.keys import (
     _ANYWHERE,
     MODULE,
     N_AVERAGED,
@@ -28,7 +28,6 @@ from surgery.keys import (
     is_bookkeeping,
     segments_in,
 )
-from surgery.manifest import FINGERPRINT_PREFIX, compute_fingerprint
 
 NAMES = [s.name for s in SEGMENTS]
 # Near misses: segment names inside a longer part, which must never count.

@@ -9,19 +9,19 @@ import sys
 
 import pytest
 
-from surgery.checkpoint import TensorInfo
 from surgery.errors import ManifestError, OutputExistsError
-from surgery.manifest import (
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import (
     DEFAULT_COMPILE,
     Manifest,
     Region,
-    compute_fingerprint,
     dumps_manifest,
     load_manifest,
     parse_manifest,
     save_manifest,
     schema_path,
 )
+from surgery.formats.tensors import TensorInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP = "sha256:" + "0" * 64
@@ -133,7 +133,7 @@ def test_schema_found_in_the_source_tree() -> None:
 
 
 def test_deployment_path_needs_no_tomli_w_or_click() -> None:
-    code = ("import sys, surgery.manifest as m; m.load_manifest(sys.argv[1]); "
+    code = ("import sys, surgery.formats.manifest as m; m.load_manifest(sys.argv[1]); "
             "bad = {'tomli_w', 'click'} & set(sys.modules); assert not bad, bad")
     path = glob.glob(os.path.join(ROOT, "manifests", "*.toml"))[0]
     subprocess.run([sys.executable, "-c", code, path], check=True)

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from surgery.cli import cli
 from surgery.examples import tiny
-from surgery.manifest import compute_fingerprint, load_manifest
-from surgery.plan import compile_defaults, default_output, plan_checkpoint, plan_model
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import load_manifest
+from surgery.planning.plan import compile_defaults, default_output, plan_checkpoint, plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from surgery.cli import cli
-from surgery.manifest import dumps_manifest, load_manifest, parse_manifest
-from surgery.plan import plan_model
-from surgery.signatures import SignatureCheck, UnplannedSignatureWarning, signature_check
+from surgery.formats.manifest import dumps_manifest, load_manifest, parse_manifest
+from surgery.planning.plan import plan_model
+from surgery.runtime.signatures import SignatureCheck, UnplannedSignatureWarning, signature_check
 
 SDPA = "surgery.examples:tiny_sdpa"
 STEP = "surgery.examples:stream_step"
@@ -114,9 +114,9 @@ def test_signature_check_warns_once_on_an_unplanned_signature() -> None:
 
 
 def test_shared_rope_and_heads_untimed() -> None:
-    from surgery.evidence import choose_regions
     from surgery.examples import stream_step, tiny_sdpa
-    from surgery.observe import observe
+    from surgery.planning.evidence import choose_regions
+    from surgery.planning.observe import observe
 
     obs = observe(tiny_sdpa().eval(), stream_step, steps=3, timed_steps=0)
     choice = choose_regions(obs)
@@ -132,7 +132,7 @@ def test_shared_rope_and_heads_untimed() -> None:
 
 def test_apply_warns_once_on_a_signature_the_plan_never_saw() -> None:
     from surgery import apply_manifest
-    from surgery.plan_observed import manifest_from_evidence, watch_model
+    from surgery.planning.observed import manifest_from_evidence, watch_model
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
@@ -181,7 +181,7 @@ def test_plan_input_json_follows_the_plan_output_schema(tmp_path) -> None:  # ty
 
 def test_include_glob_colon_method_makes_any_method_a_region() -> None:
     from surgery.examples import stream_step, tiny_sdpa
-    from surgery.plan_observed import manifest_from_evidence, watch_model
+    from surgery.planning.observed import manifest_from_evidence, watch_model
 
     inc = ["aggregator.global_blocks.*.attn:qkv_heads"]
     w = watch_model(tiny_sdpa().eval(), stream_step, steps=3, timed_steps=0, include=inc)
@@ -199,7 +199,7 @@ def test_include_glob_colon_method_makes_any_method_a_region() -> None:
 def test_include_colon_method_that_matches_nothing_is_an_error() -> None:
     from surgery.errors import RegionError
     from surgery.examples import stream_step, tiny_sdpa
-    from surgery.plan_observed import watch_model
+    from surgery.planning.observed import watch_model
 
     with pytest.raises(RegionError, match="has a method 'nope'"):
         watch_model(tiny_sdpa(), stream_step, steps=1, include=["aggregator.*:nope"])

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.checkpoint import TensorInfo
 from surgery.errors import RegionError
-from surgery.plan import view_from_module
-from surgery.regions import (
+from surgery.formats.tensors import TensorInfo
+from surgery.planning.plan import view_from_module
+from surgery.planning.regions import (
     ATTN_PRE,
     ATTN_PROJ,
     FFN_RESIDUAL,
@@ -237,7 +237,7 @@ class _CountingModules(dict):
 
 def _work(n_blocks: int, monkeypatch, *, fold: bool = False) -> tuple[int, int]:
     """Module entries scanned and overlap checks made while finding regions of n blocks."""
-    import surgery.regions as regions
+    import surgery.planning.regions as regions
 
     keys: dict = {}
     for i in range(n_blocks):
@@ -272,7 +272,7 @@ def test_region_finding_work_grows_linearly(monkeypatch, fold: bool) -> None:
 
 
 def test_children_and_subtrees_come_from_an_index_kept_current() -> None:
-    from surgery.regions import ModuleNode
+    from surgery.planning.regions import ModuleNode
 
     view = _view(_block_keys("blocks.0") | _block_keys("blocks.1") | {"head.weight": (2, 2)})
     assert view.children("") == ["blocks", "head"]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from surgery import examples
-from surgery.apply import apply_manifest
-from surgery.manifest import DEFAULT_COMPILE, Manifest, Region, compute_fingerprint
-from surgery.report import ApplyReport, EagerOnCpuWarning, RegionRecord
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.report import ApplyReport, EagerOnCpuWarning, RegionRecord
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

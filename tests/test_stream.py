@@ -9,15 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from surgery.checkpoint import read_safetensors_layout
-from surgery.stream import (
-    Planned,
-    itemsize,
-    open_source,
-    parse_size,
-    shard_paths,
-    write_safetensors,
-)
+from surgery.formats.st_file import read_safetensors_layout
+from surgery.formats.stream import itemsize, open_source
+from surgery.formats.writer import Planned, parse_size, shard_paths, write_safetensors
 
 
 @pytest.mark.parametrize("text,size", [

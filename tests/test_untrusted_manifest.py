@@ -21,21 +21,21 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 from torch import nn
 
-from surgery import allowlist
-from surgery.apply import apply_manifest, resolve_path
 from surgery.cli import cli
-from surgery.compile_options import COMPILE_KEYS, plan_region
 from surgery.errors import ManifestError, RegionError
-from surgery.manifest import (
+from surgery.formats import allowlist
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import (
     DEFAULT_COMPILE,
     Manifest,
     Region,
-    compute_fingerprint,
     dumps_manifest,
     load_manifest,
     load_schema,
     parse_manifest,
 )
+from surgery.runtime.apply import apply_manifest, resolve_path
+from surgery.runtime.compile_options import COMPILE_KEYS, plan_region
 
 FLAG = "cpp.enable_floating_point_contract_flag"
 

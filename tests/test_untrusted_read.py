@@ -25,10 +25,11 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from surgery.checkpoint import read_checkpoint, read_index, read_safetensors_layout
 from surgery.cli import cli
 from surgery.errors import CheckpointError, ManifestError, SurgeryError, UnsafeCheckpointError
-from surgery.manifest import Manifest, Region, dumps_manifest, parse_manifest
+from surgery.formats.checkpoint import read_checkpoint, read_index
+from surgery.formats.manifest import Manifest, Region, dumps_manifest, parse_manifest
+from surgery.formats.st_file import read_safetensors_layout
 
 FUZZ = settings(max_examples=1000, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -160,7 +161,7 @@ def test_refused_headers_are_refused_by_safetensors_too(tmp_path) -> None:
 
 def test_depth_is_checked_before_parsing(tmp_path, monkeypatch) -> None:
     """Nesting is refused by the pre-parse check, not by catching the parser's RecursionError."""
-    import surgery.safejson as safejson
+    import surgery.formats.safejson as safejson
 
     path = write_st(tmp_path / "m.safetensors", '{"a": ' + "[" * 30 + "]" * 30 + "}")
     parsed: list[int] = []
@@ -269,7 +270,7 @@ def test_index_json_is_untrusted(tmp_path, text, match) -> None:
 
 
 def test_index_size_is_bounded(tmp_path, monkeypatch) -> None:
-    import surgery.checkpoint as checkpoint
+    import surgery.formats.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint, "_MAX_INDEX_BYTES", 100)
     path = write_index(tmp_path / "m.index.json", {f"k{i}": "a.safetensors" for i in range(20)})
@@ -322,7 +323,7 @@ def test_cli_check_and_verify_refuse_a_deep_manifest(tmp_path) -> None:
 
 
 def test_manifest_size_is_bounded(tmp_path, monkeypatch) -> None:
-    import surgery.manifest as manifest
+    import surgery.formats.manifest as manifest
 
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 1000)
     text = dumps_manifest(_manifest(200))
@@ -372,14 +373,14 @@ def test_long_lists_are_still_checked_in_full(edit, location, match) -> None:
 def test_path_with_newline_is_refused() -> None:
     data = _manifest(3).to_dict()
     data["region"][0]["paths"][1] = "blocks.1\nblocks.9"
-    from surgery.manifest import validate
+    from surgery.formats.manifest import validate
 
     with pytest.raises(ManifestError, match=r"region\[0\]\.paths\[1\]"):
         validate(data)
 
 
 def test_too_many_regions(monkeypatch) -> None:
-    import surgery.manifest_bulk as bulk
+    import surgery.formats.manifest_bulk as bulk
 
     monkeypatch.setattr(bulk, "MAX_REGIONS", 3)
     m = Manifest(fingerprint="sha256:" + "0" * 64,

@@ -20,12 +20,12 @@ def test_wheel_contains_schema_and_installed_lookup_uses_it(tmp_path) -> None:
     (wheel,) = (tmp_path / "dist").glob("surgery-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "surgery/schemas/manifest.schema.json" in names
-    assert "surgery/cli.py" in names
+    assert "surgery/cli/app.py" in names and "surgery/runtime/graphs/replay.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", str(site), str(wheel)], check=True, capture_output=True)
-    code = ("import surgery.manifest as m, sys; p = m.schema_path(); "
+    code = ("import surgery.formats.manifest as m, sys; p = m.schema_path(); "
             "assert str(p).startswith(sys.argv[1]), p; "
             "m.load_manifest(sys.argv[2])")
     env = {**os.environ, "PYTHONPATH": str(site)}

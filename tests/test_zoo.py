@@ -32,8 +32,8 @@ sys.path.insert(0, HERE)
 from zoo_models import CASES, ZooCase  # noqa: E402
 
 from surgery import apply_manifest  # noqa: E402
-from surgery.manifest import Manifest  # noqa: E402
-from surgery.plan import plan_checkpoint, plan_model  # noqa: E402
+from surgery.formats.manifest import Manifest  # noqa: E402
+from surgery.planning.plan import plan_checkpoint, plan_model  # noqa: E402
 
 CPU_OVERRIDES = {"on_cpu": "compile", "backend": "aot_eager"}
 # Largest |compiled - eager| allowed, relative to the largest |eager| of that output. aot_eager

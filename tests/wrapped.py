@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.optim.swa_utils import AveragedModel
 
-from surgery.examples import swap_in_compiled_blocks, tiny
+from surgery.examples import tiny
+from surgery.examples.demo import swap_in_compiled_blocks
 
 
 def _model(seed: int = 0) -> nn.Module:

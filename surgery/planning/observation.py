@@ -1,0 +1,181 @@
+"""What a watched run records (one Call per module or method call, folded into an Observation)
+and the timing of its calls: CUDA events around each call on a GPU, a host clock on the CPU,
+total and self time per path. surgery.planning.observe fills these in; surgery.planning.evidence
+reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.runtime.signatures import Signature
+
+
+@dataclass
+class Call:
+    """One call of a module (or watched method) during one step."""
+
+    path: str
+    step: int
+    parent: int  # index in Observation.calls of the enclosing call; -1 for a top-level call
+    sig: Signature
+    ops: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)  # direct torch calls
+    children: list[int] = field(default_factory=list)
+    mutated: list[str] = field(default_factory=list)  # state it changed: "attribute kv_cache"
+    inner: int = 0  # hash of what ran inside (ops and child calls, recursively)
+    subtree_ops: int = 0
+
+
+@dataclass
+class Observation:
+    """What a few eager steps showed; the input of evidence-based region choice."""
+
+    calls: list[Call] = field(default_factory=list)
+    steps: int = 0
+    classes: dict[str, str] = field(default_factory=dict)  # path -> class name
+    # path -> the function apply_manifest compiles for it; paths with one function share one
+    # compiled callable, and so one recompile budget.
+    callables: dict[str, str] = field(default_factory=dict)
+    structure: dict[str, int] = field(default_factory=dict)  # path -> hash of its tensors
+    # Timing (second phase): per path, total and self ms summed over the timed steps.
+    total_ms: dict[str, float] = field(default_factory=dict)
+    self_ms: dict[str, float] = field(default_factory=dict)
+    # Total of each path's calls that ran outside the given calls (filled by the planner).
+    step_ms: float = 0.0  # the model's own calls per timed step (root module calls)
+    timed_steps: int = 0
+    clock: str = ""  # "cuda-events" | "perf_counter" | "injected" | "" (not timed)
+    bare_step_ms: float = 0.0  # a step without hooks, for the hooks' overhead
+    hooked_step_ms: float = 0.0  # a step with the timing hooks
+    watched_step_ms: float = 0.0  # a step while watched (hooks and the function mode)
+    timed_calls: list[tuple[str, int, float]] = field(default_factory=list)  # path, parent, ms
+
+    def by_path(self) -> dict[str, list[Call]]:
+        out: dict[str, list[Call]] = {}
+        for c in self.calls:
+            out.setdefault(c.path, []).append(c)
+        return out
+
+
+Clock = Callable[[], float]  # seconds
+
+
+class _Timer:
+    """Hooks that time each module call: CUDA events on a GPU, else a clock."""
+
+    def __init__(self, model: nn.Module, *, cuda: bool, clock: Clock | None,
+                 methods: Sequence[str] = ()) -> None:
+        self.model = model
+        self.methods = list(methods)
+        self.restore: list[tuple[nn.Module, str, bool, Any]] = []
+        self.cuda = cuda and clock is None
+        self.clock = clock or time.perf_counter
+        self.stack: list[tuple[str, int, Any]] = []
+        self.done: list[tuple[str, int, Any, Any]] = []  # path, parent index, start, end
+        self.open: list[int] = []
+        self.handles: list[Any] = []
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return self.clock()
+
+    def __enter__(self) -> _Timer:
+        for path, mod in self.model.named_modules():
+            def pre(m: nn.Module, args: Any, path: str = path) -> None:
+                self._begin(path)
+
+            def post(m: nn.Module, args: Any, out: Any) -> None:
+                self._end()
+
+            self.handles.append(mod.register_forward_pre_hook(pre))
+            self.handles.append(mod.register_forward_hook(post))
+        for mp in self.methods:
+            self.restore.append(_wrap_method(self.model, mp, self._begin, self._end))
+        return self
+
+    def _begin(self, path: str) -> None:
+        parent = self.open[-1] if self.open else -1
+        self.done.append((path, parent, self._mark(), None))
+        self.open.append(len(self.done) - 1)
+
+    def _end(self) -> None:
+        if self.open:
+            i = self.open.pop()
+            p, parent, start, _ = self.done[i]
+            self.done[i] = (p, parent, start, self._mark())
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        _unwrap(self.restore)
+
+    def calls_ms(self) -> list[tuple[str, int, float]]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for path, parent, start, end in self.done:
+            if end is None:
+                ms = 0.0
+            elif self.cuda:
+                ms = float(start.elapsed_time(end))
+            else:
+                ms = (end - start) * 1e3
+            out.append((path, parent, ms))
+        return out
+
+
+def fold_times(obs: Observation, calls: list[tuple[str, int, float]]) -> None:
+    """Per-path total and self time from timed calls (self = total - direct children)."""
+    child_sum = [0.0] * len(calls)
+    for _path, parent, ms in calls:
+        if parent >= 0:
+            child_sum[parent] += ms
+    for i, (path, parent, ms) in enumerate(calls):
+        obs.total_ms[path] = obs.total_ms.get(path, 0.0) + ms
+        obs.self_ms[path] = obs.self_ms.get(path, 0.0) + max(0.0, ms - child_sum[i])
+        if parent < 0 and path == "":
+            obs.step_ms += ms
+    obs.timed_calls = calls
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Callable[[], None],
+                 *, with_args: bool = False) -> tuple[nn.Module, str, bool, Any]:
+    """Wrap the method ``mp`` (``module.path.method``) on its instance; returns what undoes it."""
+    mod_path, _, name = mp.rpartition(".")
+    mod = model.get_submodule(mod_path)
+    orig = getattr(mod, name)
+    undo = (mod, name, name in vars(mod), vars(mod).get(name))
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if with_args:
+            begin(mp, args, kwargs)
+        else:
+            begin(mp)
+        out = orig(*args, **kwargs)
+        end()
+        return out
+
+    mod.__dict__[name] = wrapped
+    return undo
+
+
+def _unwrap(restore: list[tuple[nn.Module, str, bool, Any]]) -> None:
+    for mod, name, had, own in reversed(restore):
+        if had:
+            mod.__dict__[name] = own
+        else:
+            del mod.__dict__[name]
+    restore.clear()

@@ -1,0 +1,252 @@
+"""Watch a model run a few steps: each module call's signature, what ran inside it, its time.
+
+What it records, and why each thing is needed to choose a compile region:
+
+- **The call signature**: every argument's shape, dtype and strides, the values of ints, floats,
+  bools and strings, the structure of lists and dicts, plus the autocast and grad state. A
+  compiled callable guards on exactly these, and a captured CUDA graph replays one of them.
+- **What ran inside**: each torch function called directly in the call (seen through a
+  ``TorchFunctionMode``) with its argument shapes, and the child calls in order. A module whose
+  inside changes while its signature does not keeps state between calls (a KV cache), and a graph
+  of it would replay stale shapes.
+- **Python state it changed**: containers, tensors and scalars in the module's ``__dict__`` (not
+  parameters, buffers or submodules), and list/dict arguments it mutated. A graph replay runs no
+  Python, so such a call cannot be replayed.
+- **Time**, in a second phase without the function mode: CUDA events around each call on a GPU
+  (the span on the stream: kernel time when GPU-bound, launch time when launch-bound), the
+  perf_counter elsewhere, or a clock the caller injects (tests). Self time is total minus the
+  direct children's totals.
+
+Methods (``attn_pre``, ``--include path:method``) are watched by wrapping them on the instance for
+the duration; everything is removed afterwards, even when a step fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from surgery.errors import ModelSourceError
+from surgery.planning.observation import (
+    Call,
+    Clock,
+    Observation,
+    _sync,
+    _Timer,
+    _unwrap,
+    _wrap_method,
+    fold_times,
+)
+from surgery.runtime.signatures import Signature, bind_args, context, describe
+
+# Tensor queries that launch nothing: not counted as ops.
+_META_OPS = frozenset({"size", "dim", "stride", "numel", "is_contiguous", "element_size",
+                       "data_ptr", "is_floating_point", "is_complex", "__len__", "__repr__",
+                       "__format__", "get_device", "storage_offset", "ndimension", "nelement",
+                       "__bool__", "__index__", "__int__", "__hash__", "__eq__", "__iter__",
+                       "untyped_storage", "has_names", "__reduce_ex__", "requires_grad_"})
+# nn.Module's own bookkeeping attributes: never model state.
+_MODULE_ATTRS = frozenset(vars(nn.Module()))
+
+
+# --- watching ------------------------------------------------------------------------------------
+
+def _state_token(value: Any, depth: int = 0) -> Any:
+    """Identity and length of Python state, deep enough to see a slot of a list of lists grow."""
+    if isinstance(value, torch.Tensor):
+        return ("T", id(value))
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)) and depth < 2:
+        ends = [value[0], value[-1]] if value else []
+        return (len(value), id(value), tuple(_state_token(v, depth + 1) for v in ends))
+    if isinstance(value, dict) and depth < 2:
+        return (len(value), tuple((k, _state_token(v, depth + 1))
+                                  for k, v in list(value.items())[:4]))
+    return id(value)
+
+
+def _module_state(mod: nn.Module) -> dict[str, Any]:
+    return {k: _state_token(v) for k, v in vars(mod).items()
+            if k not in _MODULE_ATTRS and not callable(v) and not isinstance(v, nn.Module)}
+
+
+def _op_arg(a: Any) -> Any:
+    """An op argument as evidence: a tensor's shape, a scalar, a list's tensor shapes."""
+    if isinstance(a, torch.Tensor):
+        return tuple(a.shape)
+    if isinstance(a, (int, float, bool)):
+        return a
+    if isinstance(a, (list, tuple)):
+        return ("list", tuple(_op_arg(x) for x in a))
+    return None
+
+
+class _Recorder(TorchFunctionMode):
+    """Counts the torch calls made directly inside the innermost watched call."""
+
+    def __init__(self, watcher: _Watcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "") or str(func)
+        stack = self.watcher.stack
+        if stack and name not in _META_OPS and not name.endswith("__get__"):
+            shapes = tuple(_op_arg(a) for a in args)
+            self.watcher.calls[stack[-1]].ops.append((name, shapes))
+        return func(*args, **kwargs)
+
+
+class _Watcher:
+    """Forward hooks on every module (and wrappers on watched methods) that record calls."""
+
+    def __init__(self, model: nn.Module, *, methods: Sequence[str] = ()) -> None:
+        self.model = model
+        self.paths = {id(m): p for p, m in model.named_modules()}
+        self.calls: list[Call] = []
+        self.stack: list[int] = []
+        self.step = 0
+        self.handles: list[Any] = []
+        self.restore: list[tuple[nn.Module, str, bool, Any]] = []
+        self.methods = list(methods)
+        self.snapshots: dict[int, tuple[dict[str, Any], list[tuple[str, Any, Any]]]] = {}
+
+    def _enter(self, path: str, mod: nn.Module, fn: Callable[..., Any], key: Any,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        named = bind_args(fn, args, kwargs, key=key)
+        sig = Signature(tuple((n, describe(a)) for n, a in named), context())
+        parent = self.stack[-1] if self.stack else -1
+        idx = len(self.calls)
+        self.calls.append(Call(path, self.step, parent, sig))
+        if parent >= 0:
+            self.calls[parent].children.append(idx)
+        containers = [(n, a, _state_token(a)) for n, a in named if isinstance(a, (list, dict))]
+        self.snapshots[idx] = (_module_state(mod), containers)
+        self.stack.append(idx)
+
+    def _exit(self, mod: nn.Module) -> None:
+        if not self.stack:
+            return
+        idx = self.stack.pop()
+        call = self.calls[idx]
+        before, containers = self.snapshots.pop(idx)
+        after = _module_state(mod)
+        call.mutated = [f"attribute {k}" for k in sorted(set(before) | set(after))
+                        if before.get(k) != after.get(k)]
+        call.mutated += [f"argument {n}" for n, a, tok in containers if _state_token(a) != tok]
+        kids = [self.calls[i] for i in call.children]
+        call.subtree_ops = len(call.ops) + sum(k.subtree_ops for k in kids)
+        call.inner = hash((tuple(call.ops), tuple((k.path, k.sig, k.inner) for k in kids)))
+
+    def __enter__(self) -> _Watcher:
+        for path, mod in self.model.named_modules():
+            fwd = type(mod).forward
+
+            def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    path: str = path, fwd: Any = fwd) -> None:
+                self._enter(path, m, fwd.__get__(m), type(m), args, kwargs)
+
+            def post(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+                self._exit(m)
+
+            self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(post, with_kwargs=True))
+        for mp in self.methods:
+            mod = self.model.get_submodule(mp.rpartition(".")[0])
+            orig = getattr(mod, mp.rpartition(".")[2])
+
+            def begin(path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      mod: nn.Module = mod, orig: Any = orig) -> None:
+                self._enter(path, mod, orig, (type(mod), path), args, kwargs)
+
+            def end(mod: nn.Module = mod) -> None:
+                self._exit(mod)
+
+            self.restore.append(_wrap_method(self.model, mp, begin, end, with_args=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        _unwrap(self.restore)
+        self.handles.clear()
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 4,
+            timed_steps: int = 3, methods: Sequence[str] = (), clock: Clock | None = None,
+            autocast: torch.dtype | None = None) -> Observation:
+    """Run ``step(model)`` ``steps`` times watched, then ``timed_steps`` more timed.
+
+    Times are per step (summed over a path's calls, averaged over the timed steps). With
+    ``autocast`` every step runs under ``torch.autocast`` of the model's device type.
+    """
+    p = next(iter(model.parameters()), None)
+    dev = p.device.type if p is not None else "cpu"
+    cuda = dev == "cuda"
+
+    def run() -> None:
+        try:
+            if autocast is not None:
+                with torch.autocast(dev, dtype=autocast):
+                    step(model)
+            else:
+                step(model)
+        except Exception as e:  # the user's step may fail in any way; say which part failed
+            raise ModelSourceError(f"the --input step failed: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}",
+                                   hint="make the --input callable run one step of the model "
+                                   "it is given, e.g. model(example)") from None
+
+    obs = Observation(steps=steps)
+    for path, mod in model.named_modules():
+        obs.classes[path] = type(mod).__name__
+        fwd = type(mod).forward
+        obs.callables[path] = f"{fwd.__module__}.{fwd.__qualname__}"
+        obs.structure[path] = hash(tuple((k, tuple(v.shape), str(v.dtype))
+                                         for k, v in mod.state_dict().items()))
+    for mp in methods:
+        mod_path, _, name = mp.rpartition(".")
+        fn = getattr(type(model.get_submodule(mod_path)), name)
+        obs.callables[mp] = f"{fn.__module__}.{fn.__qualname__}"
+    clock_fn = clock or time.perf_counter
+    t0 = clock_fn()
+    with _Watcher(model, methods=methods) as w, _Recorder(w):
+        for i in range(steps):
+            w.step = i
+            run()
+    _sync(cuda)
+    obs.watched_step_ms = (clock_fn() - t0) * 1e3 / steps
+    obs.calls = w.calls
+    if timed_steps <= 0:
+        return obs
+    t0 = clock_fn()
+    run()  # a bare step: the hooks' overhead is the difference
+    _sync(cuda)
+    obs.bare_step_ms = (clock_fn() - t0) * 1e3
+    timer = _Timer(model, cuda=cuda, clock=clock, methods=methods)
+    t0 = clock_fn()
+    with timer:
+        for _ in range(timed_steps):
+            run()
+    _sync(cuda)
+    obs.hooked_step_ms = (clock_fn() - t0) * 1e3 / timed_steps
+    fold_times(obs, timer.calls_ms())
+    for d in (obs.total_ms, obs.self_ms):
+        for k in d:
+            d[k] /= timed_steps
+    obs.step_ms /= timed_steps
+    obs.timed_steps = timed_steps
+    obs.clock = "injected" if clock is not None else ("cuda-events" if timer.cuda
+                                                      else "perf_counter")
+    return obs

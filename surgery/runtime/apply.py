@@ -1,0 +1,389 @@
+"""Runtime: compile exactly a manifest's regions in place, warm them up, prove it, restore.
+
+``apply_manifest(model, manifest)`` replaces ``forward`` (or the named method) *on the instance*
+of every region path with a small wrapper around a ``torch.compile``-d callable. The module is
+never swapped in its parent, so ``state_dict()`` keys are identical before, during and after,
+and ``restore()`` puts the exact original callables back.
+
+Nothing is assumed: the compile backend is wrapped so that every compiled graph *execution* is
+counted against the region that ran it. A record says ``compiled`` only once compiled code has
+actually run for it; a region that fails to trace falls back to eager with one warning (or raises
+when its ``on_failure = "error"``), and the report says why.
+
+Deployment imports only torch, jsonschema and the manifest reader: no click, no tomli-w.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.errors import CacheBundleError, RegionError
+from surgery.formats.manifest import Manifest, Region
+from surgery.runtime.budget import parameter_names
+from surgery.runtime.bundle import default_bundle_path
+from surgery.runtime.cache import SavedBundle, cache_counters, load_bundle, save_bundle
+from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
+from surgery.runtime.graphs.capture import Capturer, CudaCapturer
+from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.report import (
+    ApplyReport,
+    CacheIgnoredWarning,
+    CacheRecord,
+    RegionFallbackWarning,
+    RegionRecord,
+    SurgeryWarning,
+    warn_eager_on_cpu,
+)
+from surgery.runtime.resolve import (
+    ENV_MANIFEST,
+    ManifestSource,
+    _check_nesting,
+    bind_model,
+    check_fingerprint,
+    resolve_manifest,
+    resolve_path,
+)
+from surgery.runtime.signatures import signature_check
+from surgery.runtime.slots import _Group, _HandleState, _make_wrapper, _Slot
+
+__all__ = [
+    "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
+    "ManifestSource", "RegionFallbackWarning", "RegionRecord", "SurgeryWarning", "apply_manifest",
+    "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
+]
+
+# Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint
+# a private pool that holds expandable segments, which is what cudagraph trees do between
+# recordings; users saw "!block->expandable_segment_ INTERNAL ASSERT FAILED". We warn below that
+# version. Later versions support it, though distributed set-ups still report hangs with it
+# (torchtitan#3306), so the report always notes the setting when CUDA graphs are in use.
+_EXPANDABLE_SEGMENTS_OK_FROM = (2, 5)
+
+# --- the handle --------------------------------------------------------------------------------
+
+class ApplyHandle:
+    """A live application of a manifest. ``restore()`` (or leaving the ``with``) undoes it."""
+
+    def __init__(self, model: nn.Module, manifest: Manifest, report: ApplyReport) -> None:
+        self.model = model
+        self.manifest = manifest
+        self.report = report
+        self._slots: list[_Slot] = []
+        self._mha_fastpath: bool | None = None  # the value to put back, when we changed it
+        self.restored = False
+        self._overrides: dict[str, Any] = {}  # what a saved cache bundle was compiled with
+        self._device = "cpu"
+
+    def save_cache(self, path: str | os.PathLike[str] | None = None, *, force: bool = True,
+                   key: bytes | None = None) -> SavedBundle:
+        """Write this process's compile caches as a bundle bound to the manifest (after warm-up).
+
+        ``path`` defaults to ``STEM.surgery.cache`` beside the manifest file (see
+        surgery.runtime.bundle). The bundle is signed with ``key``, or the deployer's key from
+        the environment (surgery.runtime.signing). The next ``apply_manifest(..., cache=path)``
+        loads it when its signature verifies and it fits.
+        """
+        if path is None:
+            if not self.manifest.source_path:
+                raise CacheBundleError(
+                    "the manifest was built in memory, so there is no file to put the bundle "
+                    "beside", path="", hint="pass a path: handle.save_cache('model.surgery.cache')")
+            path = default_bundle_path(self.manifest.source_path)
+        target = os.fspath(path)
+        saved = save_bundle(target, manifest=self.manifest, overrides=self._overrides,
+                            device=self._device, force=force, key=key)
+        if self.report.cache is None:
+            self.report.cache = CacheRecord()
+        self.report.cache.saved_to = target
+        return saved
+
+    def restore(self) -> None:
+        """Put back exactly the original callables (and the MHA fastpath). Idempotent."""
+        if self.restored:
+            return
+        for slot in reversed(self._slots):
+            d = slot.module.__dict__
+            if slot.had_own:
+                d[slot.name] = slot.own
+            else:
+                d.pop(slot.name, None)
+            slot.mode = "restored"  # a wrapper someone kept a reference to now runs eager
+            if slot.graphs is not None:
+                slot.graphs.drop("restored")  # frees the owned buffers and graphs
+                slot.graphs = None
+        self._slots.clear()
+        if self._mha_fastpath is not None:
+            torch.backends.mha.set_fastpath_enabled(self._mha_fastpath)
+            self._mha_fastpath = None
+        self.restored = True
+
+    def __enter__(self) -> ApplyHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        c = self.report.counts()
+        state = "restored" if self.restored else "live"
+        return (f"<ApplyHandle {state}: {c['compiled']} compiled, {c['pending']} pending, "
+                f"{c['eager']} eager, {c['skipped']} skipped>")
+
+
+def mark_step() -> None:
+    """Open one CUDA-graph step: call before each inference step of a CUDA-graph model.
+
+    cudagraph trees only reuse a graph's memory once they know the previous step's outputs are
+    no longer needed; this is how the caller says so.
+    """
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def _on_cuda(module: nn.Module, model: nn.Module) -> bool:
+    return torch.cuda.is_available() and _device_of(module, model).type == "cuda"
+
+
+def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers(), *model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+# --- apply -------------------------------------------------------------------------------------
+
+def apply_manifest(
+    model: nn.Module,
+    manifest: ManifestSource = None,
+    *,
+    warmup: Callable[[nn.Module], Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    strict: bool = True,
+    passes: int | None = None,
+    cache: str | os.PathLike[str] | bool | None = None,
+) -> ApplyHandle:
+    """Compile the manifest's regions of ``model`` in place, warm them up, and report.
+
+    ``manifest`` is a Manifest, a ``.surgery.toml`` path, an exported ``.safetensors`` (or the
+    ``.index.json`` of a sharded export) that carries its manifest, or None to read the path
+    from ``$SURGERY_MANIFEST``. ``warmup(model)`` is called ``passes`` times (the manifest's
+    ``warmup.passes`` by default), each opened with ``cudagraph_mark_step_begin()`` when
+    ``warmup.mark_step``; without it, records stay ``pending`` until the model's first call
+    proves them. Warm up with the same grad mode and shapes as inference, or dynamo recompiles
+    on the first real call; with ``capture = "region"`` (the plan's default) warm up under
+    ``no_grad`` or ``inference_mode``, since region graphs are captured only there (from each
+    path's second call). ``overrides`` is merged over every region's compile options.
+    ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
+    cached after ``restore()`` until ``torch._dynamo.reset()``.
+
+    ``cache`` is a compile-cache bundle (``surgery warm`` or ``handle.save_cache()``), or True
+    for the one beside the manifest file. It is loaded before anything compiles, only when it
+    was built for this manifest, these overrides, this torch / triton / CUDA and this GPU;
+    otherwise one CacheIgnoredWarning says why and the regions compile as usual.
+    ``report.cache`` records which, and how many warm-up compiles hit the caches.
+    """
+    m = resolve_manifest(manifest)
+    binding = bind_model(model, m, strict=strict)
+    records: list[RegionRecord] = []
+    report = ApplyReport(records)
+    report.notes += binding.notes  # a cast since the plan, an older fingerprint
+    handle = ApplyHandle(model, m, report)
+    handle._overrides = dict(overrides or {})
+    dev = _device_of(model, model)
+    handle._device = str(dev) if dev.type == "cuda" else dev.type
+    if cache is not None and cache is not False:
+        report.cache = _load_cache(handle, cache)
+    state = _HandleState()
+    groups: dict[tuple[Any, ...], _Group] = {}
+
+    resolved: list[tuple[Region, str, nn.Module, str]] = []
+    problems: list[RegionError] = []
+    for region in m.regions:
+        for path in region.paths:
+            try:
+                mod, name = resolve_path(model, path, callable=region.callable)
+            except RegionError as e:
+                if region.required:
+                    problems.append(e)
+                else:
+                    records.append(RegionRecord(path, region.kind, region.callable, "skipped",
+                                                f"optional and not found: {e.message}"))
+                continue
+            resolved.append((region, path, mod, name))
+    if problems:
+        first = problems[0]
+        more = "".join(f"\n  {p.message}" for p in problems[1:])
+        raise RegionError(first.message + more, region=first.region, hint=first.hint)
+    _check_nesting(resolved)
+
+    cuda_graph_regions = False
+    clone_risk: list[str] = []
+    mha = False
+    try:
+        for region, path, mod, name in resolved:
+            on_cuda = _on_cuda(mod, model)
+            plan = plan_region(m, region, overrides=overrides, on_cuda=on_cuda)
+            rec = RegionRecord(path, region.kind, region.callable, "pending",
+                               backend=plan.backend, options=plan.options,
+                               cuda_graphs=plan.cuda_graphs, clone_outputs=plan.clone_outputs,
+                               notes=list(plan.notes))
+            records.append(rec)
+            if plan.eager_reason:
+                rec.status, rec.reason = "eager", plan.eager_reason
+                continue
+            handle._slots.append(_install(mod, name, rec, region, plan, groups, state))
+            cuda_graph_regions |= plan.cuda_graphs
+            clone_risk += [path] if plan.clone_risk else []
+            mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
+        warn_eager_on_cpu(report)
+        if mha and torch.backends.mha.get_fastpath_enabled():
+            # Dynamo does not guard on this flag; the fused fastpath would bypass the graph.
+            handle._mha_fastpath = True
+            torch.backends.mha.set_fastpath_enabled(False)
+            report.notes.append("nn.MultiheadAttention fastpath turned off while applied")
+        if cuda_graph_regions:
+            _note_expandable_segments(report)
+        if clone_risk:
+            warnings.warn(f"surgery: {len(clone_risk)} region path(s) (e.g. {clone_risk[0]}) "
+                          f"were {CLONE_RISK}", SurgeryWarning, stacklevel=2)
+        hits_before = cache_counters()
+        _warm_up(handle, m, warmup, passes)
+        if report.cache is None:
+            report.cache = CacheRecord()
+        report.cache.counts = {k: v - hits_before[k] for k, v in cache_counters().items()}
+    except BaseException:
+        handle.restore()
+        raise
+    return handle
+
+
+def _load_cache(handle: ApplyHandle, cache: str | os.PathLike[str] | bool) -> CacheRecord:
+    """Load a compile-cache bundle when it fits; otherwise warn once and say why in the report."""
+    src = handle.manifest.source_path
+    if isinstance(cache, bool):  # True: the bundle beside the manifest file
+        path = default_bundle_path(src) if src else ""
+    else:
+        path = os.fspath(cache)
+    loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
+    if path:
+        loaded, why = load_bundle(path, manifest=handle.manifest, overrides=handle._overrides,
+                                  device=handle._device)
+    if not loaded:
+        handle.report.notes.append(f"compile-cache bundle ignored: {why}")
+        warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
+                      CacheIgnoredWarning, stacklevel=3)
+    return CacheRecord(path or None, loaded, why)
+
+
+def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: CompilePlan,
+             groups: dict[tuple[Any, ...], _Group], state: _HandleState) -> _Slot:
+    own = vars(mod).get(name)
+    if getattr(own, "__surgery_slot__", None) is not None:
+        raise RegionError(f"region path {rec.path!r} is already compiled by another "
+                          "apply_manifest handle", region=rec.path,
+                          hint="restore() the first handle before applying again")
+    eager = getattr(mod, name)
+    bound = inspect.ismethod(eager) and eager.__self__ is mod
+    target = eager.__func__ if bound else eager
+    key = (id(target), json.dumps([plan.backend, plan.config_patches, plan.fullgraph,
+                                   plan.dynamic], sort_keys=True, default=str))
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
+                                            config_patches=plan.config_patches,
+                                            fullgraph=plan.fullgraph, dynamic=plan.dynamic)
+    slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,
+                 budget=plan.max_signatures, names=parameter_names(eager))
+    if plan.dynamic is True:  # already dynamic: its budget counts compiles, not shapes
+        slot.dyn = group
+        rec.signature_mode = "dynamic"
+    if plan.capture_region:
+        slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
+                                   clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
+                                   notes=rec.notes)
+    slot.check = signature_check(region.evidence, rec.path, eager)
+    group.slots.append(slot)
+    mod.__dict__[name] = _make_wrapper(slot)
+    return slot
+
+
+_CAPTURERS: dict[int, Capturer] = {}
+
+
+def _capturer_for(module: nn.Module) -> Capturer:
+    """One capturer (side stream and shared memory pool) per CUDA device, for every handle."""
+    dev = next((t.device for t in (*module.parameters(), *module.buffers())), None)
+    index = dev.index if dev is not None and dev.type == "cuda" and dev.index is not None \
+        else torch.cuda.current_device()
+    if index not in _CAPTURERS:
+        _CAPTURERS[index] = CudaCapturer(index)
+    return _CAPTURERS[index]
+
+
+def _note_expandable_segments(report: ApplyReport) -> None:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" not in conf.replace(" ", "").lower():
+        return
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < _EXPANDABLE_SEGMENTS_OK_FROM:
+        warnings.warn(
+            f"surgery: PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which cudagraph trees in "
+            f"torch {torch.__version__} do not support (pytorch#128068, fixed in torch 2.5): "
+            "expect an INTERNAL ASSERT in the caching allocator. Unset it, or upgrade torch.",
+            SurgeryWarning, stacklevel=3)
+    report.notes.append("expandable_segments is set together with CUDA graphs; if capture "
+                        "hangs or asserts, unset it first")
+
+
+def _warm_up(handle: ApplyHandle, manifest: Manifest,
+             warmup: Callable[[nn.Module], Any] | None, passes: int | None) -> None:
+    """Run the warm-up passes, then settle every installed record's status from the counts."""
+    from torch._dynamo.utils import counters
+
+    report = handle.report
+    n = int(manifest.warmup.get("passes", 3) if passes is None else passes)
+    if warmup is None or n == 0:
+        if handle._slots:
+            report.notes.append("no warm-up ran: installed regions stay 'pending' until a call "
+                                "runs their compiled code")
+        return
+    mark = bool(manifest.warmup.get("mark_step", True))
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(n):
+        if mark:
+            mark_step()
+        warmup(handle.model)
+    report.warmup_passes = n
+    report.dynamo_unique_graphs = counters["stats"]["unique_graphs"] - before
+    unproven = []
+    for slot in handle._slots:
+        rec = slot.record
+        if rec.status != "pending":
+            continue
+        if rec.calls == 0:
+            rec.reason = "not called during warm-up"
+        else:
+            rec.status = "eager"
+            rec.reason = (f"called {rec.calls} time(s) in warm-up but no compiled graph ran "
+                          "(dynamo ran it eagerly; see TORCH_LOGS=recompiles,graph_breaks)")
+        unproven.append(f"{rec.path} ({rec.reason})")
+    if unproven:
+        warnings.warn(f"surgery: {len(unproven)} region path(s) did not run compiled code in "
+                      f"warm-up: {'; '.join(unproven[:6])}" +
+                      (" ..." if len(unproven) > 6 else ""), SurgeryWarning, stacklevel=3)
+    uncaptured = [s.record.path for s in handle._slots
+                  if s.graphs is not None and not s.graphs.disabled and s.graphs.captures == 0
+                  and s.record.status == "compiled"]
+    if uncaptured:
+        report.notes.append(
+            f"{len(uncaptured)} region path(s) captured no CUDA graph in warm-up (e.g. "
+            f"{uncaptured[0]}): region graphs are captured from the second call under no_grad "
+            "or inference_mode, so warm up in the mode you infer in; until then they capture "
+            "on the first inference calls")

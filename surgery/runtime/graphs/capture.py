@@ -1,0 +1,125 @@
+"""Capturing CUDA graphs for surgery's region graphs (surgery.graphs): who captures, and where.
+
+``CudaCapturer`` captures on a side stream into one memory pool shared by every live region
+graph of a device. ``surgery.graphs`` talks to it through the ``Capturer`` protocol, which is
+also how the tests drive the same logic on a CPU with a stand-in graph.
+
+WriteProbe: which inputs a call wrote in place, for normal tensors and for inference tensors alike.
+
+Why. A captured CUDA graph reads its own copies of the inputs. When the region writes an input in
+place (a KV cache filled at a position), the replay writes the copy, so surgery must copy it
+back to the caller's tensor after every replay, and must not read such an input in place from
+another region's buffers. So at capture time it has to know which inputs the region writes.
+
+How. A normal tensor carries a version counter that every in-place op bumps, so the answer is
+exact. An inference tensor (made under ``torch.inference_mode()``) has none: ``t._version``
+raises "Inference tensors do not track version counter". For those the probe keeps a copy of the
+bytes before the call and compares after it. That sees every write that changes a byte; a write
+that leaves every byte as it was (the same value written again) is not seen. surgery asks at two
+calls, the second uncaptured call and the capture's own run, and takes the union.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class Capturer(Protocol):
+    """Captures work into a graph. ``device`` is the CUDA index inputs must be on (-1: CPU).
+
+    ``owned`` maps the storage address of every live region graph's owned output to its output
+    set: an input found there has a stable address, so a graph reads it in place instead of
+    copying it. The CUDA capturer holds the sets weakly: a model dropped without ``restore()``
+    frees its graphs and buffers.
+    """
+
+    device: int
+    owned: MutableMapping[int, Any]  # -> surgery.runtime.graphs.outputs._Outputs
+
+    def capture(self, work: Callable[[], None]) -> Graph: ...
+
+
+class CudaCapturer:
+    """Captures on a side stream into one memory pool shared by every live region graph.
+
+    It calls ``CUDAGraph.capture_begin`` directly: ``torch.cuda.graph`` empties the allocator's
+    cache on every capture, which costs time across a hundred captures. The allocator frees a
+    pool with its last graph, and a freed pool's handle must not be reused (it trips an
+    INTERNAL ASSERT in the caching allocator), so a new handle is taken whenever no graph of
+    the old one is alive.
+    """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.owned: MutableMapping[int, Any] = weakref.WeakValueDictionary()
+        self.live = 0  # graphs of the current pool still alive
+        self._stream: torch.cuda.Stream | None = None
+        self._pool: Any = None
+
+    def capture(self, work: Callable[[], None]) -> Graph:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        if self.live == 0:
+            self._pool = torch.cuda.graph_pool_handle()
+        side, current = self._stream, torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            work()  # warm the side stream (cuBLAS workspace, lazy inits) outside the capture
+            graph.capture_begin(pool=self._pool)
+            try:
+                work()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the first error is the one to show
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        current.wait_stream(side)
+        return _PooledGraph(graph, self)
+
+
+class _PooledGraph:
+    """A captured graph that keeps its capturer's count of live graphs in its pool."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, owner: CudaCapturer) -> None:
+        self.replay = graph.replay
+        self._graph = graph
+        self._owner = owner
+        owner.live += 1
+
+    def __del__(self) -> None:
+        self._owner.live -= 1
+
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as raw bytes, so NaN compares equal to the same NaN."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+class WriteProbe:
+    """Taken before a call on its input tensors; ``written()`` after it says which it wrote."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        # An inference tensor's bytes, or a normal tensor's version counter.
+        self._before: list[torch.Tensor | int] = [
+            _bytes(t).clone() if t.is_inference() else t._version for t in tensors]
+
+    def written(self, tensors: Sequence[torch.Tensor]) -> set[int]:
+        """Indices of the tensors written in place since the probe was taken."""
+        out = set()
+        for i, (t, before) in enumerate(zip(tensors, self._before, strict=True)):
+            if isinstance(before, int):
+                if t._version != before:
+                    out.add(i)
+            elif not torch.equal(_bytes(t), before):
+                out.add(i)
+        return out

@@ -1,0 +1,308 @@
+"""Region CUDA graphs: surgery captures one CUDA graph per region path and input signature.
+
+Why. A region compiled with ``mode="reduce-overhead"`` enters dynamo on every call (guards, the
+AOT prologue, cudagraph-tree bookkeeping): 80-140 us of host time per call on an H200 with
+torch 2.11. LingBot-Map calls 120 regions a frame, so the step is bound by the host, not the GPU.
+With ``capture = "region"`` the region compiles *without* inductor's CUDA graphs, and surgery
+captures the compiled code itself; a replay costs a signature check, one copy per input and one
+``cudaGraphLaunch``.
+
+The contract, which is what makes that safe:
+
+- **When.** A graph is captured on the second call with the same signature (the first one
+  compiles and autotunes outside any capture), only with CUDA, with grad disabled (``no_grad`` or
+  ``inference_mode``), and when every input is a tensor on the region's device, a Python scalar,
+  ``None``, or a tuple or list of these. Anything else runs the compiled code, unchanged.
+- **What is checked before each replay.** The signature: every tensor's shape, strides, dtype and
+  device, every scalar's value, the module's ``training`` flag, inference mode and autocast. The
+  *addresses* of the region module's parameters, buffers and tensor attributes, and its children:
+  a changed one drops the path's graphs (``load_state_dict`` copies in place and keeps them). Any
+  other Python state the region reads is frozen at capture, as in every CUDA graph.
+- **Inputs** are copied into the graph's own buffers. An input the region writes in place is
+  copied back after each replay. Which inputs it writes is found at capture (surgery.inplace):
+  exactly for normal tensors (their version counters); under ``inference_mode``, whose tensors
+  have no version counter, by comparing bytes before and after, which misses only a write that
+  left every byte unchanged in both the second call and the capture's run.
+- **Autocast** of the region's device is part of the signature, so a head that turns autocast
+  off inside an autocast step gets a graph of its own for each state.
+- **Outputs** are copied, inside the graph, into buffers owned by the region path, laid out as
+  the compiled code returned them, so the memory pool that all region graphs share holds only
+  temporaries, and no replay can overwrite another path's outputs. A replay of the *same* path
+  would overwrite them, so before each replay the owned buffers' storage use counts are checked.
+  When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
+  v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
+  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
+  runs without a graph, one warning says so, and the path clones its outputs from then on.
+  ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
+- **Streams.** Graphs replay on the caller's current stream; two region graphs must not run
+  concurrently on different streams, since they share one pool of temporaries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.runtime.graphs import outputs
+from surgery.runtime.graphs.capture import Capturer, CudaCapturer, Graph, WriteProbe
+from surgery.runtime.graphs.outputs import (
+    MAX_OUTPUT_SETS,
+    NO_USE_COUNT,
+    _alloc_like,
+    _Captured,
+    _flatten,
+    _flatten_args,
+    _layout_of,
+    _out_tensors,
+    _Outputs,
+    _substitute,
+    _Watch,
+)
+
+__all__ = ["MAX_GRAPHS_PER_PATH", "MAX_OUTPUT_SETS", "Capturer", "CudaCapturer", "Graph",
+           "RegionGraphs"]
+
+# At most this many captured signatures per region path; more run the compiled code uncaptured.
+MAX_GRAPHS_PER_PATH = 8
+
+
+# run_compiled(args, kwargs) -> (output, whether compiled code ran)
+RunCompiled = Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, bool]]
+
+
+class RegionGraphs:
+    """The captured graphs of one region path, keyed by call signature."""
+
+    def __init__(self, module: nn.Module, capturer: Capturer,
+                 raw_call: Callable[[tuple[Any, ...], dict[str, Any]], Any], *,
+                 clone_outputs: bool, warn: Callable[[str], None],
+                 notes: list[str] | None = None) -> None:
+        self.module = module
+        self.capturer = capturer
+        self.raw_call = raw_call  # the compiled callable, outside surgery's call accounting
+        self.clone = clone_outputs
+        self.warn = warn  # called with a message once per event kind
+        self.graphs: dict[tuple[Any, ...], _Captured] = {}
+        self.seen: dict[tuple[Any, ...], int] = {}
+        self.watch: _Watch | None = None
+        self.disabled = ""  # why this path no longer captures
+        self.replays = 0
+        self.captures = 0
+        self.adopt = True  # read other regions' owned outputs in place (see _capture)
+        self.moved = 0  # replays refused because an adopted input was somewhere else
+        self.output_sets = 0  # the most output sets any signature needed
+        self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
+        self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
+        if outputs._use_count is None:
+            self.disabled = NO_USE_COUNT
+            self.notes.append(NO_USE_COUNT)
+
+    def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+        dev = self.capturer.device
+        kind = "cuda" if dev >= 0 else "cpu"  # the autocast state of the device it runs on
+        sig: list[Any] = [self.module.training, torch.is_inference_mode_enabled(),
+                          torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind)]
+        tensors: list[torch.Tensor] = []
+        if not _flatten_args(args, sig, tensors, dev):
+            return None
+        if kwargs:
+            keys = sorted(kwargs)
+            sig.append(tuple(keys))
+            if not _flatten([kwargs[k] for k in keys], sig, tensors, dev):
+                return None
+        return tuple(sig), tensors
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 run_compiled: RunCompiled) -> Any:
+        if self.disabled or torch.is_grad_enabled():
+            return run_compiled(args, kwargs)[0]
+        found = self.signature(args, kwargs)
+        if found is None:
+            return run_compiled(args, kwargs)[0]
+        sig, tensors = found
+        cap = self.graphs.get(sig)
+        if cap is not None:
+            return self._replay(sig, cap, tensors, args, kwargs, run_compiled)
+        n = self.seen[sig] = self.seen.get(sig, 0) + 1
+        room = len(self.graphs) < MAX_GRAPHS_PER_PATH
+        probe = WriteProbe(tensors) if n >= 2 and room else None
+        out, ran = run_compiled(args, kwargs)
+        if ran and n == 2 and not room:
+            self.notes.append(f"a signature beyond the first {MAX_GRAPHS_PER_PATH} runs "
+                              "compiled without a graph (shapes vary from call to call?)")
+        if ran and probe is not None:
+            mine = self._capture(sig, tensors, args, kwargs, out, probe.written(tensors))
+            if mine is not None:
+                return mine
+        return out
+
+    def _replay(self, sig: tuple[Any, ...], cap: _Captured, tensors: list[torch.Tensor],
+                args: tuple[Any, ...], kwargs: dict[str, Any], run_compiled: RunCompiled) -> Any:
+        assert self.watch is not None
+        if not self.watch.unchanged():
+            self.drop("the region's parameters, buffers or submodules changed since capture")
+            return run_compiled(args, kwargs)[0]
+        for i, ptr in cap.adopted:
+            if tensors[i].data_ptr() != ptr:  # not the output it was captured reading: recapture
+                self._forget(sig)
+                self.moved += 1
+                if self.moved == 3:
+                    self.adopt = False
+                    self.notes.append("inputs are copied: the outputs this path read in place "
+                                      "moved three times")
+                return run_compiled(args, kwargs)[0]
+        # An output set whose last outputs nobody holds any more; checked in clone mode too,
+        # since aliases returned before the switch may still live.
+        outs = next((o for o in cap.sets if not o.held()), None)
+        grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
+        if outs is None and not grow:
+            if not self.clone:
+                self.clone = True
+                self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
+                          "referenced (a long cache?), so a replay would overwrite one. That "
+                          "call ran without the graph, and the path clones its outputs from now "
+                          "on; set clone_outputs = true on the region to start that way")
+            return run_compiled(args, kwargs)[0]
+        inputs = cap.inputs
+        for i in cap.copied:
+            t = tensors[i]
+            if inputs[i].data_ptr() != t.data_ptr():
+                inputs[i].copy_(t)
+        if outs is None:  # every set is held (a KV cache keeps them): capture one more set,
+            outs = self._new_set(cap)  # whose warm-up run inside capture is this call's run
+            if outs is None:
+                return run_compiled(args, kwargs)[0]
+            if len(cap.sets) == 2:
+                self.notes.append("outputs are kept across calls (a KV cache?): surgery keeps "
+                                  "a ring of output buffers instead of cloning")
+        else:
+            outs.graph.replay()
+            self.replays += 1
+        for i in cap.written:
+            tensors[i].copy_(inputs[i])
+        self.output_sets = max(self.output_sets, len(cap.sets))
+        return cap.rebuild(outs.hand_out(self.clone))
+
+    def drop(self, why: str) -> None:
+        """Forget every captured graph of this path; the next calls capture again."""
+        if self.graphs:
+            self.notes.append(f"graphs dropped: {why}")
+        for sig in list(self.graphs):
+            self._forget(sig)
+        self.seen.clear()
+        self.watch = None
+
+    def _forget(self, sig: tuple[Any, ...]) -> None:
+        """Forget one signature's graphs; it is one sighting from being captured again."""
+        cap = self.graphs.pop(sig)
+        for outs in cap.sets:
+            for s in outs.storages:
+                self.capturer.owned.pop(s.data_ptr(), None)
+        for owner, j in cap.adopted_from:  # our references to their outputs are gone
+            owner.baseline[j] -= 1
+        self.seen[sig] = 1
+
+    def _new_set(self, cap: _Captured) -> _Outputs | None:
+        """Capture a graph writing a fresh output set; None (and capture off) if it fails.
+
+        The inputs must already be in place: the warm-up run inside the capture computes this
+        call's outputs into the new set.
+        """
+        owned = _alloc_like(cap.layout)
+        t0 = time.perf_counter()
+        try:
+            graph = self.capturer.capture(cap.work(owned))
+        except Exception as exc:  # any capture failure means: run uncaptured
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.disabled = (f"CUDA-graph capture failed ({type(exc).__name__}: {first}); "
+                             "runs compiled without a graph")
+            self.notes.append(self.disabled)
+            self.warn(self.disabled)
+            return None
+        finally:
+            self.capture_s += time.perf_counter() - t0
+        distinct = {o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}
+        storages = list(distinct.values())
+        outs = _Outputs(graph, owned, storages, [])
+        count = outputs._use_count
+        assert count is not None
+        outs.baseline = [count(s._cdata) for s in storages]
+        for s in storages:
+            self.capturer.owned[s.data_ptr()] = outs
+        cap.sets.append(outs)
+        self.captures += 1
+        return outs
+
+    def _capture(self, sig: tuple[Any, ...], tensors: list[torch.Tensor],
+                 args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                 writes: set[int]) -> Any:
+        """Capture this signature's graph. Returns this call's output from the owned buffers
+        (the warm-up run inside the capture computed it from the same inputs), so regions that
+        read it next capture reading it in place; or None to return ``out``."""
+        split = _out_tensors(out)
+        why = ""
+        if split is None:
+            why = "its output holds something other than tensors and Python scalars"
+        watch = self.watch or _Watch(self.module)
+        if not why and split is not None:
+            mine = {t.untyped_storage().data_ptr() for t in tensors} | watch.storages
+            if any(o.untyped_storage().data_ptr() in mine for o in split[0]):
+                why = "it returns a view of an input or of its own parameters or buffers"
+        if why:
+            self.disabled = f"not captured: {why}; runs compiled without a graph"
+            self.notes.append(self.disabled)
+            return None
+        assert split is not None
+        outputs, rebuild = split
+        # Another region's owned output has a stable address: read it in place (no copy per
+        # replay), unless this region writes it, which the warm-up run inside capture would
+        # then repeat on the caller's tensor.
+        owners = {i: self.capturer.owned.get(t.untyped_storage().data_ptr())
+                  for i, t in enumerate(tensors) if self.adopt and i not in writes}
+        adopted = [(i, tensors[i].data_ptr()) for i, o in owners.items() if o is not None]
+        adopt = {i for i, _ in adopted}
+        inputs = [t if i in adopt else
+                  torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                  for i, t in enumerate(tensors)]
+        copied = [i for i in range(len(tensors)) if i not in adopt]
+        for i in copied:
+            inputs[i].copy_(tensors[i])
+        probe = WriteProbe(inputs)
+        it = iter(inputs)  # the same order as _flatten: args, then kwargs by sorted key
+        static_args = _substitute(args, it)
+        keys = sorted(kwargs)
+        static_kwargs = dict(zip(keys, _substitute([kwargs[k] for k in keys], it), strict=True))
+        raw_call = self.raw_call
+
+        def work(owned: list[torch.Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                got = _out_tensors(raw_call(static_args, static_kwargs))
+                assert got is not None and len(got[0]) == len(owned)
+                for dst, src in zip(owned, got[0], strict=True):
+                    dst.copy_(src)
+            return run
+
+        # The graph keeps each adopted input alive: one more reference its owner must expect.
+        adopted_from = [(owner, owner.index(tensors[i])) for i, _ in adopted
+                        if (owner := owners[i]) is not None]
+        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, _layout_of(outputs),
+                        work, [])
+        outs = self._new_set(cap)
+        if outs is None:
+            return None
+        # Written in the capture's run, or in the call before it (the union: for an inference
+        # tensor either one alone can miss a write that left the bytes unchanged).
+        cap.written = sorted((probe.written(inputs) | writes) & set(copied))
+        for owner, j in adopted_from:
+            owner.baseline[j] += 1
+        self.watch = watch
+        self.graphs[sig] = cap
+        self.output_sets = max(self.output_sets, 1)
+        if writes:  # the warm-up run saw the inputs after this call had written them
+            return None
+        return rebuild(outs.hand_out(self.clone))

@@ -1,0 +1,251 @@
+"""What `apply_manifest` did, region path by region path, and the warnings it gives.
+
+A record's ``status`` is live: the runtime updates it as the model runs, so ``compiled`` always
+means that compiled code ran for that path (counted, not assumed).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+class SurgeryWarning(UserWarning):
+    """Something the runtime did differently from what the manifest asked, and why."""
+
+
+class RegionFallbackWarning(SurgeryWarning):
+    """A region could not be compiled and runs eager (one warning per manifest region)."""
+
+
+class CacheIgnoredWarning(SurgeryWarning):
+    """A compile-cache bundle was given but not loaded (stale, corrupt, or for another machine);
+    the regions compile as usual. One warning per apply."""
+
+
+class EagerOnCpuWarning(SurgeryWarning):
+    """Regions planned for CUDA graphs run eager because there is no CUDA, as the manifest's
+    ``on_cpu = "eager"`` says. One warning per apply, naming the setting that compiles them."""
+
+
+
+
+@dataclass
+class RegionRecord:
+    """What happened to one region path. ``status`` is live: it is updated as the model runs.
+
+    - ``compiled``: compiled code ran for this path (``compiled_runs`` > 0), so it is proven.
+    - ``pending``: compiled and installed, but not called yet (no warm-up, or warm-up did not
+      reach it); it turns ``compiled`` on its first call that runs compiled code.
+    - ``eager``: runs the original code; ``reason`` says why (no CUDA, failed to trace ...).
+    - ``skipped``: an optional path that does not exist on this model.
+    """
+
+    path: str
+    kind: str
+    callable: str
+    status: str
+    reason: str = ""
+    backend: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # what torch.compile was given
+    cuda_graphs: bool = False
+    clone_outputs: bool = False
+    calls: int = 0  # calls into the region
+    compiled_calls: int = 0  # calls in which at least one compiled graph ran
+    eager_calls: int = 0  # calls that ran the original code
+    # Two counters that are easy to confuse: ``compiled_runs`` counts executions of the code
+    # torch.compile produced (each call of the path can run one or more compiled graphs);
+    # ``cuda_graph_replays`` counts calls answered by replaying a CUDA graph surgery captured
+    # (capture = "region"), which skip the compiled code's Python entirely.
+    compiled_runs: int = 0  # executions of torch.compile-d graphs (old name: graphs_run)
+    compiles: int = 0  # graphs compiled while this path ran
+    recompiles: int = 0  # compiles after its compiled callable had already run once
+    graphs_captured: int = 0  # CUDA graphs surgery captured for this path (capture = "region")
+    cuda_graph_replays: int = 0  # calls answered by replaying one (old name: graph_replays)
+    output_sets: int = 0  # the ring of output buffers it needed (>1: outputs kept across calls)
+    capture_s: float = 0.0  # time spent capturing its graphs
+    signatures: int = 0  # distinct static call signatures (shapes, int values, modes) it saw
+    signature_mode: str = "static"  # "static", "dynamic" (over budget: new ones dynamic), "eager"
+    recompile_reasons: list[str] = field(default_factory=list)  # what differed, per compile
+    fix: str = ""  # how to avoid its recompiles (from the kind of difference)
+    notes: list[str] = field(default_factory=list)
+
+    # The old names, kept for code written against them.
+    @property
+    def graphs_run(self) -> int:
+        return self.compiled_runs
+
+    @graphs_run.setter
+    def graphs_run(self, value: int) -> None:
+        self.compiled_runs = value
+
+    @property
+    def graph_replays(self) -> int:
+        return self.cuda_graph_replays
+
+    @graph_replays.setter
+    def graph_replays(self, value: int) -> None:
+        self.cuda_graph_replays = value
+
+
+_STATUSES = ("compiled", "pending", "eager", "skipped")
+_TABLE = ("kind", "paths", *_STATUSES, "calls", "compiled runs", "CUDA-graph replays",
+          "recompiles")
+
+
+class ApplyReport(Sequence[RegionRecord]):
+    """One record per region path, plus what applied to all of them."""
+
+    def __init__(self, records: list[RegionRecord]) -> None:
+        self.records = records
+        self.notes: list[str] = []
+        self.warmup_passes = 0
+        self.dynamo_unique_graphs = 0  # torch._dynamo's own counter, over warm-up
+        self.cache: CacheRecord | None = None  # compile-cache bundle and cache hits, over warm-up
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.records[i]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[RegionRecord]:
+        return iter(self.records)
+
+    def by_path(self, path: str) -> RegionRecord:
+        for r in self.records:
+            if r.path == path:
+                return r
+        raise KeyError(path)
+
+    def with_status(self, status: str) -> list[RegionRecord]:
+        return [r for r in self.records if r.status == status]
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in ("compiled", "pending", "eager", "skipped")}
+        for r in self.records:
+            out[r.status] = out.get(r.status, 0) + 1
+        out["graphs_compiled"] = sum(r.compiles for r in self.records)
+        out["recompiles"] = sum(r.recompiles for r in self.records)
+        return out
+
+    def summary(self) -> str:
+        """A plain-text table for logs and the CLI (the library itself never prints)."""
+        c = self.counts()
+        lines = [f"{c['compiled']} compiled, {c['pending']} pending, {c['eager']} eager, "
+                 f"{c['skipped']} skipped; {c['graphs_compiled']} graph(s) compiled, "
+                 f"{c['recompiles']} recompile(s), {self.warmup_passes} warm-up pass(es)"]
+        for r in self.records:
+            why = f"  ({r.reason})" if r.reason else ""
+            lines.append(f"  {r.status:8} {r.kind:14} {r.path}  calls={r.calls} "
+                         f"compiled_runs={r.compiled_runs} recompiles={r.recompiles}"
+                         + (f" captured={r.graphs_captured} replays={r.cuda_graph_replays}"
+                            f" output_sets={r.output_sets}" if r.graphs_captured else "")
+                         + (f" sigs={r.signatures}" if r.signatures else "")
+                         + (f" [{r.signature_mode}]" if r.signature_mode == "dynamic" else "")
+                         + why)
+            if r.recompile_reasons:
+                lines.append(f"           recompiled for: {' | '.join(r.recompile_reasons)}")
+            if r.fix:
+                lines.append(f"           fix: {r.fix}")
+        if self.cache is not None and self.cache.line():
+            lines.append(f"  {self.cache.line()}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """Per kind: paths compiled / pending / eager / skipped, calls, compiled runs, CUDA-graph
+        replays and recompiles; then why paths run eager or were skipped, and the notes. This
+        is what ``print(handle.report)`` shows."""
+        kinds: dict[str, list[RegionRecord]] = {}
+        for r in self.records:
+            kinds.setdefault(r.kind, []).append(r)
+        rows = [list(_TABLE)]
+        for kind, recs in kinds.items():
+            rows.append([kind, str(len(recs)),
+                         *(str(sum(r.status == st for r in recs)) for st in _STATUSES),
+                         str(sum(r.calls for r in recs)), str(sum(r.compiled_runs for r in recs)),
+                         str(sum(r.cuda_graph_replays for r in recs)),
+                         str(sum(r.recompiles for r in recs))])
+        if len(kinds) > 1:
+            rows.append(["total", *(str(sum(int(row[i]) for row in rows[1:]))
+                                    for i in range(1, len(_TABLE)))])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE))]
+        c = self.counts()
+        lines = [f"surgery: {len(self.records)} region path(s): {c['compiled']} compiled, "
+                 f"{c['pending']} pending, {c['eager']} eager, {c['skipped']} skipped "
+                 f"({self.warmup_passes} warm-up pass(es))"]
+        lines += ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+                  for row in rows]
+        reasons: dict[tuple[str, str], list[str]] = {}
+        for r in self.records:
+            if r.status in ("eager", "skipped", "pending") and r.reason:
+                reasons.setdefault((r.status, r.reason), []).append(r.path)
+        if reasons:
+            lines.append("why:")
+        for (status, reason), paths in reasons.items():
+            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+            lines.append(f"  {status}: {paths[0]}{more}: {reason}")
+        recompiled = [r for r in self.records if r.recompiles]
+        if recompiled:
+            lines.append("recompiles: " + ", ".join(f"{r.path} ({r.recompiles})"
+                                                    for r in recompiled[:6])
+                         + (" ..." if len(recompiled) > 6 else "")
+                         + " (TORCH_LOGS=recompiles names the guard that failed)")
+        if self.cache is not None and self.cache.line():
+            lines.append(self.cache.line())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        return (f"<ApplyReport: {len(self.records)} region path(s), {c['compiled']} compiled, "
+                f"{c['pending']} pending, {c['eager']} eager, {c['skipped']} skipped>")
+
+
+def warn_eager_on_cpu(report: ApplyReport) -> None:
+    """One warning, and a note, when CUDA-graph regions run eager because there is no CUDA.
+
+    Why: on a CPU the default manifest compiles nothing (``on_cpu = "eager"``), and a user found
+    out only by printing the report (issue 12). The warning names the setting that changes it.
+    """
+    paths = [r.path for r in report.records
+             if r.status == "eager" and "without CUDA" in r.reason and "on_cpu='eager'" in r.reason]
+    if not paths:
+        return
+    msg = (f"{len(paths)} region path(s) (e.g. {paths[0]}) run eager: there is no CUDA here, and "
+           "the manifest says on_cpu = \"eager\". Set on_cpu = \"compile\" in its [compile] "
+           "table, or pass overrides={\"on_cpu\": \"compile\"}, to compile them on the CPU")
+    report.notes.append(msg)
+    warnings.warn(f"surgery: {msg}", EagerOnCpuWarning, stacklevel=3)
+
+
+@dataclass
+class CacheRecord:
+    """What the report says about compile caches: a bundle loaded or not, and why; then how
+    many compiles in warm-up hit or missed the caches (hits are the work a bundle saved)."""
+
+    path: str | None = None
+    loaded: bool = False
+    reason: str = ""
+    saved_to: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        c = self.counts
+        if self.path is None and not any(c.values()) and not self.saved_to:
+            return ""  # no bundle and no cached compile: nothing worth a line
+        hits = (f"; warm-up compiles: FX graph cache {c.get('fx_graph_hits', 0)} hit / "
+                f"{c.get('fx_graph_misses', 0)} miss, AOTAutograd cache "
+                f"{c.get('aot_autograd_hits', 0)} hit / {c.get('aot_autograd_misses', 0)} miss"
+                if c else "")
+        if self.path is None:
+            state = "compile cache: no bundle given"
+        else:
+            state = f"compile cache: {'loaded' if self.loaded else 'ignored'} ({self.reason})"
+        return state + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")

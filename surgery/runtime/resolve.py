@@ -1,0 +1,180 @@
+"""Where a manifest comes from, and where its region paths lead on a live model.
+
+A manifest comes as a Manifest, a ``.surgery.toml`` path, an exported ``.safetensors`` file that
+carries it, or ``$SURGERY_MANIFEST``. A region path that does not resolve is an error naming the
+closest real name, since a misspelt path (``fnn_residual``) would otherwise compile nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import warnings
+from collections.abc import Sequence
+
+from torch import nn
+
+from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
+from surgery.formats.binding import Binding, bind
+from surgery.formats.checkpoint import read_embedded_manifest
+from surgery.formats.fingerprint import model_keys
+from surgery.formats.keys import collision_error
+from surgery.formats.manifest import Manifest, Region, load_manifest
+from surgery.runtime.report import SurgeryWarning
+
+ENV_MANIFEST = "SURGERY_MANIFEST"
+ManifestSource = Manifest | str | os.PathLike[str] | None
+
+
+# --- manifest sources --------------------------------------------------------------------------
+
+def resolve_manifest(source: ManifestSource) -> Manifest:
+    """A Manifest from a Manifest, a ``.toml`` path, an exported ``.safetensors``, or the env."""
+    if source is None:
+        env = os.environ.get(ENV_MANIFEST, "").strip()
+        if not env:
+            raise ManifestError(
+                f"no manifest was given and {ENV_MANIFEST} is not set",
+                hint=f"pass apply_manifest(model, 'model{'.surgery.toml'}'), or set "
+                     f"{ENV_MANIFEST}=/path/to/model.surgery.toml")
+        source = env
+    if isinstance(source, Manifest):
+        return source
+    path = os.fspath(source)
+    if path.endswith((".safetensors", ".index.json")):  # an export, single file or sharded
+        return _embedded_manifest(path)
+    return load_manifest(path)
+
+
+def _embedded_manifest(path: str) -> Manifest:
+    found = read_embedded_manifest(path)  # checked against its sha256 and the schema
+    if found is None:
+        raise ManifestError(f"{path}: carries no embedded surgery manifest", path=path,
+                            hint="export it with `surgery export`, or pass the .surgery.toml")
+    return found
+
+
+def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> Binding:
+    """Bind the manifest to the live model: canonical keys and shapes, not dtypes (a cast model
+    binds, with a note). A mismatch says what differs (surgery.binding) and raises, or warns
+    with ``strict=False``."""
+
+    # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
+    sd = model.state_dict()
+    mk = model_keys(list(sd))
+    if mk.collisions:
+        raise collision_error(mk.collisions, source="the live model")
+    where = manifest.source_path or "the manifest"
+    binding = bind(manifest.fingerprint, manifest.model,
+                   {c: sd[k] for k, c in mk.names.items()}, where=where)
+    if binding.matches:
+        return binding
+    msg = (f"{where} was planned for a different model (its fingerprint is "
+           f"{manifest.fingerprint}, the live model's {binding.actual}): {binding.problem}")
+    if strict:
+        raise FingerprintMismatchError(msg, expected=manifest.fingerprint, actual=binding.actual,
+                                       hint=binding.hint)
+    warnings.warn(f"surgery: {msg} (strict=False: applying anyway)", SurgeryWarning,
+                  stacklevel=3)
+    binding.notes.append(f"fingerprint mismatch, applied anyway (strict=False): "
+                         f"{binding.problem}")
+    return binding
+
+
+def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
+    """The live model's fingerprint, once bound to the manifest (see bind_model)."""
+    return bind_model(model, manifest, strict=strict).actual
+
+
+# --- resolution --------------------------------------------------------------------------------
+
+def closest_name(name: str, candidates: Sequence[str]) -> str | None:
+    hits = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Module, str]:
+    """(module, attribute name) for a region path, or RegionError naming the closest real name.
+
+    ``forward`` paths are module paths; ``method`` paths end in a method of the module before.
+    """
+    parts = path.split(".")
+    mod_parts = parts if callable == "forward" else parts[:-1]
+    mod: nn.Module = model
+    for i, seg in enumerate(mod_parts):
+        children = dict(mod.named_children())
+        child = children.get(seg)
+        if child is None:
+            here = ".".join(parts[:i]) or "the model"
+            near = closest_name(seg, list(children))
+            if near is None and callable == "forward" and i == len(mod_parts) - 1:
+                near = closest_name(seg, _methods(mod))  # a method listed as a forward region
+            guess = ".".join([*parts[:i], near, *parts[i + 1:]]) if near else None
+            raise RegionError(
+                f"region path {path!r} does not resolve: {here} ({type(mod).__name__}) has no "
+                f"submodule {seg!r}" + (f"; did you mean {guess!r}?" if guess else
+                                        f"; it has {sorted(children)[:8]}"),
+                region=path, hint="fix the path in the manifest, or plan it again")
+        mod = child
+    if callable == "forward":
+        return mod, "forward"
+    name = parts[-1]
+    owner = ".".join(parts[:-1]) or "the model"
+    if isinstance(getattr(mod, name, None), nn.Module):
+        raise RegionError(
+            f"region path {path!r} names a submodule, not a method", region=path,
+            hint=f"list {path!r} in a region with callable = \"forward\"")
+    if (name.startswith("__") and name.endswith("__")) or hasattr(nn.Module, name):
+        # A manifest is data: it may pick one of the model's own methods, never a special method
+        # or nn.Module's API (__init__, __setattr__, state_dict, to), which apply would replace.
+        raise RegionError(
+            f"region path {path!r} names {name!r}, which is "
+            + ("a special method" if name.startswith("__") else "nn.Module's own API")
+            + f", not a method defined by {type(mod).__name__}", region=path,
+            hint="a method region names a plain method of the model's own class (e.g. "
+                 "attn_pre); to compile the whole module, use callable = \"forward\" on its path")
+    attr = _own_method(type(mod), name)
+    if attr is None:
+        near = closest_name(name, _methods(mod))
+        guess = f"{owner}.{near}" if near and owner != "the model" else near
+        raise RegionError(
+            f"region path {path!r} does not resolve: {owner} ({type(mod).__name__}) has no "
+            f"method {name!r}" + (f"; did you mean {guess!r}?" if guess else ""),
+            region=path, hint="fix the method name in the manifest, or plan it again")
+    return mod, name
+
+
+def _own_method(klass: type, name: str) -> object | None:
+    """The plain function ``name`` that ``klass`` or a base below nn.Module defines, or None
+    (a staticmethod, classmethod, property or instance attribute is not a method region)."""
+    for base in klass.__mro__:
+        if base in (nn.Module, object):
+            return None
+        if name in vars(base):
+            found = vars(base)[name]
+            return found if inspect.isfunction(found) else None
+    return None
+
+
+def _methods(mod: nn.Module) -> list[str]:
+    names: set[str] = set()
+    for klass in type(mod).__mro__:
+        if klass in (nn.Module, object):
+            break
+        names.update(n for n, v in vars(klass).items()
+                     if not n.startswith("_") and inspect.isfunction(v))
+    return sorted(names)
+
+
+def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:
+    """A region inside a forward region would never run compiled: the outer graph inlines it."""
+    forwards = sorted(p for r, p, _, _ in resolved if r.callable == "forward")
+    for region, path, _, _ in resolved:
+        owner = path if region.callable == "forward" else path.rsplit(".", 1)[0]
+        for outer in forwards:
+            if outer != path and (owner == outer or owner.startswith(outer + ".")):
+                raise RegionError(
+                    f"region path {path!r} is inside region {outer!r}: the outer graph would "
+                    "inline it, so it would never run its own compiled code", region=path,
+                    hint="keep one of the two (`surgery plan` resolves nesting)")

@@ -1,0 +1,145 @@
+"""`surgery warm`: build the model, apply its manifest, warm up, and save the compile-cache bundle.
+
+The bundle's format and its checks live in surgery.cache; this is the command's work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from surgery.errors import CacheBundleError, ModelSourceError, OutputExistsError
+from surgery.formats.source import load_factory
+from surgery.runtime.apply import apply_manifest, resolve_manifest
+from surgery.runtime.bundle import default_bundle_path
+from surgery.runtime.cache import SavedBundle
+from surgery.runtime.signing import require_key
+
+
+@dataclass
+class WarmResult:
+    bundle: SavedBundle
+    report: Any  # the ApplyReport of the warm-up
+    seconds: float  # apply + warm-up
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether `a` and `b` name one file (through symlinks and hard links too)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _call_with(model: Any, example: Any) -> Any:
+    if isinstance(example, Mapping):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+def _inputs(manifest: str, *, key_file: str | None, factories: list[Callable[..., Any]]
+            ) -> list[str]:
+    """Every file warm reads: the manifest (and the shards of a sharded export's index), the
+    key file, and the modules of the factories. The bundle may overwrite none of them."""
+    files = [manifest] + ([key_file] if key_file else [])
+    if manifest.endswith(".index.json"):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                shards = json.load(f).get("weight_map", {}).values()
+            folder = os.path.dirname(manifest)
+            files += [os.path.join(folder, s) for s in set(shards) if isinstance(s, str)]
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass  # reading the manifest reports a broken index; here it only adds names
+    for factory in factories:
+        module = sys.modules.get(getattr(factory, "__module__", "") or "")
+        file = getattr(module, "__file__", None)
+        if file:
+            files.append(str(file))
+    return files
+
+
+def _refuse_overwriting_inputs(target: str, inputs: list[str]) -> None:
+    """--force replaces an old bundle, never the manifest or anything else warm reads."""
+    real = os.path.realpath(target)
+    for i, path in enumerate(inputs):
+        if os.path.realpath(path) == real or _same_file(target, path):
+            what = "the manifest being warmed" if i == 0 else f"{path!r}, an input of this command"
+            raise CacheBundleError(
+                f"output {target!r} is {what}: writing the bundle there would destroy it",
+                path=target, hint="write the bundle elsewhere with -o (default: beside the "
+                                  "manifest, as STEM.surgery.cache); inputs are never modified")
+
+
+def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str | None = None,
+               dtype: str | None = None, out: str | None = None, force: bool = False,
+               overrides: Mapping[str, Any] | None = None, key_file: str | None = None
+               ) -> WarmResult:
+    """Build the model, apply the manifest, warm up with the example input, save the bundle.
+
+    The bundle is signed with the deployer's key (``key_file``, else $SURGERY_CACHE_KEY or
+    $SURGERY_CACHE_KEY_FILE: surgery.signing); without one nothing is compiled and a
+    CacheKeyError says how to make one. The output may not be any file this command reads.
+
+    ``input_spec`` names a factory that receives the model and returns its input (a tensor,
+    a tuple of positional arguments or a dict of keyword arguments). Warm-up runs under
+    ``torch.no_grad()``, as inference does: grad mode is part of what dynamo guards on.
+    """
+    import torch
+
+    m = resolve_manifest(manifest)
+    target = out or default_bundle_path(m.source_path or manifest)
+    _refuse_overwriting_inputs(target, _inputs(manifest, key_file=key_file, factories=[]))
+    key = require_key(key_file)  # before any work: an unsigned bundle is never written
+    if os.path.exists(target) and not force:
+        raise OutputExistsError(target)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise CacheBundleError("--device cuda was asked for, but torch sees no CUDA device",
+                               path=target, hint="run on a GPU machine, or pass --device cpu")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    factory = load_factory(model_spec)
+    make_input: Callable[[Any], Any] = load_factory(input_spec)
+    _refuse_overwriting_inputs(target, _inputs(manifest, key_file=key_file,
+                                               factories=[factory, make_input]))
+    try:
+        model = factory()
+    except Exception as e:  # the user's factory may fail in any way
+
+        raise ModelSourceError(f"--model {model_spec!r}: the factory failed: "
+                               f"{type(e).__name__}: {e}",
+                               hint="make the factory build the model without arguments"
+                               ) from None
+    model = model.to(device=dev, dtype=dtypes[dtype] if dtype else None).eval()
+    example = make_input(model)
+    # torch records every artifact of the process; the bundle should hold this model's only.
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        CacheArtifactManager.clear()
+    except ImportError:  # torch < 2.7: save_bundle says so below
+        pass
+    started = time.perf_counter()
+    with torch.no_grad():
+        handle = apply_manifest(model, m, warmup=lambda mod: _call_with(mod, example),
+                                overrides=overrides)
+    seconds = time.perf_counter() - started
+    if not handle.report.with_status("compiled"):
+        handle.restore()
+        eager = handle.report.with_status("eager")
+        why = f" ({eager[0].path}: {eager[0].reason})" if eager else ""
+        raise CacheBundleError(
+            f"no region ran compiled code in warm-up, so there is nothing to cache{why}",
+            path=target, hint="on the CPU, CUDA-graph regions run eager: pass --overrides "
+            "on_cpu=compile (and the same overrides to apply_manifest), or warm up on the GPU")
+    try:
+        saved = handle.save_cache(target, force=force, key=key)
+    finally:
+        handle.restore()
+    return WarmResult(saved, handle.report, seconds)
