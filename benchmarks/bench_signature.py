@@ -1,8 +1,8 @@
 """Host cost of the signature budget check, per call of a compiled region (not a replay).
 
-Before a path calls its compiled callable, surgery.slots computes the call's signature
-(surgery.budget.call_signature) and looks it up in the path's set. A region-graph replay skips
-this (graphs.py has its own check); the calls that pay it are the ones that run the compiled
+Before a path calls its compiled callable, surgery.runtime.slots computes the call's signature
+(surgery.runtime.budget.call_signature) and looks it up in the path's set. A region-graph replay
+skips this (graphs.py has its own check); the calls that pay it are the ones that run the compiled
 code: capture = "compiler", CPU regions, and signatures past the captured ones. This times the
 signature alone for three call shapes a block sees, on whatever machine runs it.
 

@@ -15,7 +15,7 @@ Arms (each in a fresh process, all in one call):
                  keep a KV cache of them alive across replays)
   surgery        `surgery plan` of the live model, then apply_manifest with its defaults
                  (capture = "region": surgery captures one CUDA graph per region path and
-                 replays it without entering dynamo; surgery.graphs)
+                 replays it without entering dynamo; surgery.runtime.graphs.replay)
   surgery_fold   `surgery plan --fold`: the whole patch embed as one region, 1 graph replay
                  instead of 24 (surgery_pe gets the same with --include aggregator.patch_embed)
   surgery_trees  `surgery plan --capture compiler`: inductor's cudagraph trees

@@ -145,7 +145,7 @@ def run_all(*, size: str, device: str, dtype: str, timeout: int,
     work = tempfile.mkdtemp(prefix="warm_start_")
     env = {**os.environ, "WARM_START_SIZE": size, "WARM_START_DTYPE": dtype,
            "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
-    # Bundles are signed (surgery.signing): one throw-away key for this run's processes.
+    # Bundles are signed (surgery.runtime.signing): one throw-away key for this run's processes.
     if not (env.get("SURGERY_CACHE_KEY") or env.get("SURGERY_CACHE_KEY_FILE")):
         env["SURGERY_CACHE_KEY"] = secrets.token_hex(32)
     os.environ.update(WARM_START_SIZE=size, WARM_START_DTYPE=dtype)

@@ -22,12 +22,9 @@ from surgery import examples
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
-from surgery.runtime.apply import (
-    RegionFallbackWarning,
-    SurgeryWarning,
-    apply_manifest,
-    resolve_path,
-)
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.report import RegionFallbackWarning, SurgeryWarning
+from surgery.runtime.resolve import resolve_path
 from surgery.runtime.slots import _clone_tensors
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs
@@ -503,7 +500,7 @@ def test_manifest_embedded_in_an_exported_safetensors(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     mod = _embedded_reader()
-    key = getattr(mod, "META_MANIFEST", "surgery.manifest")
+    key = getattr(mod, "META_MANIFEST", "surgery.formats.manifest")
     save_file(sd, str(path), metadata={key: dumps_manifest(manifest)})
     with apply_manifest(model, str(path), overrides=AOT) as h:
         assert len(h.report) == 2
@@ -575,7 +572,7 @@ def test_a_fallen_back_path_never_reaches_the_compiler_again() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     x = torch.randn(2, 4)
     FailingBackend.calls = 0
-    # A manifest names only a fixed set of backends (surgery.allowlist); code may name any.
+    # A manifest names only a fixed set of backends (surgery.formats.allowlist); code may name any.
     m = manifest_for(model, [Region("lin", ["0", "1"])], on_cpu="compile")
     with torch.no_grad(), pytest.warns(RegionFallbackWarning,
                                        match="RuntimeError: this compiler is broken"):

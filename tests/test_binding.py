@@ -1,5 +1,5 @@
-"""How a manifest binds to a model (surgery.binding, compute_fingerprint): issue 10's encoding
-and canonical keys, issue 11 D's casts, issue 12's "what differs" on a mismatch."""
+"""How a manifest binds to a model (surgery.formats.binding, compute_fingerprint): issue 10's
+encoding and canonical keys, issue 11 D's casts, issue 12's "what differs" on a mismatch."""
 
 from __future__ import annotations
 

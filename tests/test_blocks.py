@@ -1,5 +1,5 @@
-"""surgery.blocks through find_regions: blocks that cannot pay (one layer) or cannot hold one
-shape (a cache, state or per-instance index in forward) are never whole regions (issue 11 E)."""
+"""surgery.planning.blocks through find_regions: blocks that cannot pay (one layer) or cannot hold
+one shape (a cache, state or per-instance index in forward) are never whole regions (issue 11 E)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ from torch import nn
 
 from surgery.formats.tensors import TensorInfo
 from surgery.planning.plan import plan_checkpoint, view_from_module
-from surgery.planning.regions import (
-    ATTN_PROJ,
-    FIXED_PART,
-    REPEATED_BLOCK,
-    find_regions,
-    view_from_tensors,
-)
+from surgery.planning.regions import ATTN_PROJ, FIXED_PART, REPEATED_BLOCK, find_regions
+from surgery.planning.view import view_from_tensors
 
 
 def _kinds(found) -> dict[str, list[str]]:

@@ -1,4 +1,5 @@
-"""Recompile budgets (surgery.budget and the slot's routing): own caches, bounded, explained.
+"""Recompile budgets (surgery.runtime.budget and the slot's routing): own caches, bounded,
+explained.
 
 Every test runs apply_manifest on the CPU with aot_eager (on_cpu="compile"), the full dynamo +
 AOTAutograd path. Compiles are counted by dynamo itself (`_debug_get_cache_entry_list` on the
@@ -18,8 +19,9 @@ from torch._dynamo.utils import counters
 from surgery.errors import RegionError
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
-from surgery.runtime.apply import RegionFallbackWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.budget import call_signature, explain_new, fix_for, fresh_function
+from surgery.runtime.report import RegionFallbackWarning, SurgeryWarning
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 EXACT = {"atol": 1e-6, "rtol": 1e-5}

@@ -16,8 +16,9 @@ from torch import nn
 
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
-from surgery.runtime.apply import SurgeryWarning, apply_manifest
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.graphs.replay import MAX_GRAPHS_PER_PATH
+from surgery.runtime.report import SurgeryWarning
 
 TOL = {"atol": 1e-3, "rtol": 1e-3}  # inductor vs cuBLAS, float32
 

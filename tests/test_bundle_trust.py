@@ -36,9 +36,10 @@ from surgery.errors import CacheKeyError
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
 from surgery.runtime import bundle, bundle_env, cache, signing
-from surgery.runtime.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.artifacts import ArtifactError, key_problem, read_artifacts
 from surgery.runtime.bundle_env import environment_without_torch, same_torch
+from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 ATTACKER_KEY = bytes(range(32))

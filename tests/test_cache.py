@@ -30,7 +30,8 @@ from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
 from surgery.runtime import bundle as bundle_file
 from surgery.runtime import bundle_env, cache
-from surgery.runtime.apply import CacheIgnoredWarning, SurgeryWarning, apply_manifest
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so no graphs

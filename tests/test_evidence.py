@@ -1,4 +1,5 @@
-"""Regions chosen from evidence (surgery.observe + surgery.evidence): what a run shows decides."""
+"""Regions chosen from evidence (surgery.planning.observe + surgery.planning.evidence): what a run
+shows decides."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Region CUDA graphs (surgery.graphs), checked on the CPU with a graph that behaves like one.
+"""Region CUDA graphs (surgery.runtime.graphs.replay), checked on the CPU with a graph that behaves
+like one.
 
 ``FakeCapturer`` records the captured work and ``replay()`` runs it again against the same input
 and output buffers, which is exactly what a CUDA graph's replay does to memory: the graph's input
@@ -23,9 +24,10 @@ from surgery import examples
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
 from surgery.runtime import apply as apply_mod
-from surgery.runtime.apply import SurgeryWarning, apply_manifest
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.graphs import outputs
 from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.report import SurgeryWarning
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -128,7 +130,7 @@ def test_capture_keeps_no_output_of_the_compiled_call_alive() -> None:
 
 
 def test_a_path_dropped_without_restore_leaves_nothing_in_the_capturer() -> None:
-    from surgery.runtime.graphs.replay import CudaCapturer
+    from surgery.runtime.graphs.capture import CudaCapturer
 
     assert isinstance(CudaCapturer(0).owned, weakref.WeakValueDictionary)
     lin = nn.Linear(4, 3)

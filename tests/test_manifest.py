@@ -109,7 +109,7 @@ def test_fingerprint_covers_keys_and_shapes_not_dtypes() -> None:
     live = {"b": torch.zeros(3, dtype=torch.bfloat16), "a.weight": torch.zeros(4, 2)}
     assert compute_fingerprint(header) == compute_fingerprint(live)
     assert compute_fingerprint(header).startswith("v2:sha256:")
-    # A cast is the same model (surgery.binding notes it); a shape or a key is not.
+    # A cast is the same model (surgery.formats.binding notes it); a shape or a key is not.
     assert compute_fingerprint(header) == compute_fingerprint(
         {**header, "b": TensorInfo((3,), "F16")})
     assert compute_fingerprint(header) != compute_fingerprint(

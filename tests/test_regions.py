@@ -18,8 +18,8 @@ from surgery.planning.regions import (
     REPEATED_BLOCK,
     find_regions,
     natural_key,
-    view_from_tensors,
 )
+from surgery.planning.view import view_from_tensors
 
 
 def _view(keys: dict[str, tuple[int, ...]]):
@@ -272,7 +272,7 @@ def test_region_finding_work_grows_linearly(monkeypatch, fold: bool) -> None:
 
 
 def test_children_and_subtrees_come_from_an_index_kept_current() -> None:
-    from surgery.planning.regions import ModuleNode
+    from surgery.planning.view import ModuleNode
 
     view = _view(_block_keys("blocks.0") | _block_keys("blocks.1") | {"head.weight": (2, 2)})
     assert view.children("") == ["blocks", "head"]

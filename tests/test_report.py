@@ -1,5 +1,6 @@
-"""The apply report (surgery.report): what `print(handle.report)` shows, the counters' names,
-and the one warning when regions run eager for want of CUDA (issue 12, defect 13, friction 1)."""
+"""The apply report (surgery.runtime.report): what `print(handle.report)` shows, the counters'
+names, and the one warning when regions run eager for want of CUDA (issue 12, defect 13, friction
+1)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,9 @@ from surgery.formats.manifest import (
     load_schema,
     parse_manifest,
 )
-from surgery.runtime.apply import apply_manifest, resolve_path
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.compile_options import COMPILE_KEYS, plan_region
+from surgery.runtime.resolve import resolve_path
 
 FLAG = "cpp.enable_floating_point_contract_flag"
 
@@ -137,7 +138,7 @@ def test_apply_manifest_refuses_the_attack_embedded_in_a_safetensors(tmp_path, m
     text = _attack_toml(model, marker)
     path = tmp_path / "model.safetensors"
     save_file(model.state_dict(), str(path), metadata={
-        "surgery.manifest": text,
+        "surgery.formats.manifest": text,
         "surgery.manifest_sha256": hashlib.sha256(text.encode()).hexdigest()})
     x = torch.randn(2, 8)
     with pytest.raises(ManifestError) as info, torch.no_grad():

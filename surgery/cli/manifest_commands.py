@@ -23,7 +23,8 @@ from surgery.cli.app import (
 )
 from surgery.errors import OutputExistsError
 from surgery.formats import source as sources
-from surgery.formats.manifest import dumps_manifest, write_text_atomic
+from surgery.formats.manifest import dumps_manifest
+from surgery.formats.safe_write import write_text_atomic
 from surgery.planning import plan as planner
 
 

@@ -14,7 +14,7 @@ them (pytorch#152887), unless the region's outputs are cloned outside the graph.
 16 heads, 14-pixel patches) for benchmarks. Both are ``--model`` factories:
 ``surgery plan --model surgery.examples:tiny``.
 
-The SDPA build (``tiny_sdpa``, ``lingbot_sdpa``; ``surgery.examples_sdpa``) is LingBot-Map's
+The SDPA build (``tiny_sdpa``, ``lingbot_sdpa``; ``surgery.examples.sdpa``) is LingBot-Map's
 other layout: plain SDPA streaming blocks, a shared RoPE module, a float32 DPT head and a camera
 trunk with its own KV cache. ``stream_step`` streams one frame a call, for ``--input``.
 """

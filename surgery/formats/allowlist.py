@@ -13,10 +13,10 @@ message says *why* rather than "additional properties are not allowed".
 
 What is not checked here: ``apply_manifest(..., overrides=...)``. Overrides come from the
 deployer's code, which is trusted, and may pass any inductor option; the runtime still checks
-that the option exists (surgery.compile_options).
+that the option exists (surgery.runtime.compile_options).
 
 To allow another setting, add it, typed, to the schema (a compile key also goes into
-``surgery.compile_options.COMPILE_KEYS``); a test keeps the two in step.
+``surgery.runtime.compile_options.COMPILE_KEYS``); a test keeps the two in step.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def manifest_refusals(data: Any, *, schema: Mapping[str, Any]) -> list[Refusal]:
 def _method_refusals(region: Mapping[str, Any], *, index: int) -> list[Refusal]:
     """A method region names code to compile and call in place: never a dunder
     (``__init__``, ``__setattr__``). That nn.Module's own API (``state_dict``, ``to``) is
-    refused too needs torch and the live class: surgery.resolve checks it."""
+    refused too needs torch and the live class: surgery.runtime.resolve checks it."""
     paths = region.get("paths")
     if region.get("callable") != "method" or not isinstance(paths, list):
         return []

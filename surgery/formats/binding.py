@@ -1,7 +1,7 @@
 """How a manifest binds to a model, and what to say when it does not.
 
-The fingerprint (surgery.manifest.compute_fingerprint) covers canonical keys and shapes. Two
-things ride beside it in the manifest's ``[model]`` table, written by ``plan``:
+The fingerprint (surgery.formats.fingerprint.compute_fingerprint) covers canonical keys and shapes.
+Two things ride beside it in the manifest's ``[model]`` table, written by ``plan``:
 
 - ``keys``: the keys in brief, one entry per key pattern, shape and count
   (``"blocks.N.attn.qkv.weight [192,64] x4"``). A fingerprint is a hash and says only *that*

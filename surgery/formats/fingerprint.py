@@ -20,7 +20,7 @@ from surgery.formats.tensors import TensorInfo
 
 # The prefix of the current fingerprint format. A manifest whose fingerprint is a bare
 # "sha256:..." was written by an earlier surgery (v1: tab-separated records that also covered
-# dtypes); surgery.binding still accepts one that matches, see there.
+# dtypes); surgery.formats.binding still accepts one that matches, see there.
 FINGERPRINT_PREFIX = "v2:sha256:"
 
 
@@ -29,15 +29,15 @@ def compute_fingerprint(tensors: Mapping[str, Any], *, canonical: bool = False) 
 
     Why these and only these. The fingerprint binds a manifest to *a model*, and region paths
     follow from keys and shapes; a cast (bf16 deployment of an fp32 checkpoint) or ``.to(device)``
-    is the same model, so dtype and device are left out (surgery.binding notes a dtype change).
-    Keys are canonical (wrapper segments such as ``_orig_mod.`` stripped), so a model with
+    is the same model, so dtype and device are left out (surgery.formats.binding notes a dtype
+    change). Keys are canonical (wrapper segments such as ``_orig_mod.`` stripped), so a model with
     hand-swapped compiled blocks still matches. Each record is a JSON array ``[key, shape]``, so
     no key, whatever characters it holds, can read as two records. ``tensors`` maps key -> any
     object with ``.shape`` (TensorInfo or torch.Tensor); nothing here imports torch.
 
     `canonical=True` is the caller's word that the keys are canonical already (the planner's
-    and verify's tables, built by surgery.hygiene.model_keys, which refuses collisions): they
-    are hashed as they are, without stripping them again.
+    and verify's tables, built by surgery.formats.fingerprint.model_keys, which refuses collisions):
+    they are hashed as they are, without stripping them again.
     """
     names: dict[str, str] = {}
     clashes: dict[str, list[str]] = {}

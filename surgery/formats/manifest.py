@@ -19,9 +19,7 @@ from typing import Any
 from surgery.errors import ManifestError
 from surgery.formats.allowlist import manifest_refusals
 from surgery.formats.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
-
-# write_text_atomic moved to surgery.atomic; re-exported for the modules that import it here.
-from surgery.formats.safe_write import write_text_atomic as write_text_atomic
+from surgery.formats.safe_write import write_text_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,8 +34,9 @@ MANIFEST_SUFFIX = ".surgery.toml"
 # model, regional compile without CUDA graphs ran slower than eager (31 ms vs 17.5 ms), and with
 # inductor's cudagraph trees each of LingBot-Map's 120 region calls a frame cost 80-140 us of host
 # time in dynamo and tree bookkeeping. So surgery captures the graphs itself, one per region path
-# (capture = "region", surgery.graphs), and replays them without entering dynamo. Outputs a KV
-# cache keeps are cloned outside the graph so the next replay cannot overwrite them (#152887).
+# (capture = "region", surgery.runtime.graphs.replay), and replays them without entering dynamo.
+# Outputs a KV cache keeps are cloned outside the graph so the next replay cannot overwrite them
+# (#152887).
 DEFAULT_COMPILE: dict[str, Any] = {
     "backend": "inductor",
     "capture": "region",
@@ -184,13 +183,13 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
     import jsonschema
 
     # The long lists (paths, left_out) are checked here in linear time; jsonschema sees a view
-    # with one item of each, since it costs ~100 us an item (surgery.manifest_bulk).
+    # with one item of each, since it costs ~100 us an item (surgery.formats.manifest_bulk).
     problem, view, left_offset = check_bulk(data)
     if problem is not None:
         _raise(f"{problem.location}: {problem.message}", path=path, location=problem.location,
                text=text, hint=problem.hint)
     # Compile settings first: a setting outside the allowlist is refused with why (a manifest
-    # is data, surgery.allowlist), not with the schema's "additional properties" wording.
+    # is data, surgery.formats.allowlist), not with the schema's "additional properties" wording.
     refused = manifest_refusals(data, schema=load_schema())
     if refused:
         first = refused[0]

@@ -9,16 +9,11 @@ import pickle
 import struct
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from surgery.errors import CheckpointError
 from surgery.formats.pickle_probe import explain_refusal, probe_format
 from surgery.formats.tensors import TensorInfo, _require_file, normalize_dtype
-
-if TYPE_CHECKING:
-    pass
-
-
 
 # Container entries that commonly hold the state dict, in the order we prefer them when a file
 # holds several (the online weights before EMA copies).
@@ -31,8 +26,8 @@ CONTAINER_ENTRIES: tuple[str, ...] = (
 def torch_load_safely(path: str) -> Any:
     """``torch.load(weights_only=True)``, with mmap where the format allows it.
 
-    The file's bytes are classified first (surgery.pickle_probe): a file that is neither a zip
-    archive nor a pickle never reaches torch, and a legacy pickle is loaded without mmap. Every
+    The file's bytes are classified first (surgery.formats.pickle_probe): a file that is neither a
+    zip archive nor a pickle never reaches torch, and a legacy pickle is loaded without mmap. Every
     failure becomes a CheckpointError; a pickle that names code becomes an
     UnsafeCheckpointError. torch's own message advises turning weights_only off: that advice is
     never passed on, because it would execute the file.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from surgery.errors import CheckpointError
 from surgery.formats.safejson import UntrustedJSONError, load_untrusted_json
@@ -19,11 +18,6 @@ from surgery.formats.st_header import (
     parse_header,
 )
 from surgery.formats.tensors import META_ALIASES, TensorInfo, _require_file
-
-if TYPE_CHECKING:
-    pass
-
-
 
 # A header larger than this is not a real safetensors header (the format caps it at 100 MB).
 _MAX_HEADER = MAX_HEADER_BYTES
@@ -42,9 +36,9 @@ class SafetensorsLayout:
 def read_safetensors_layout(path: str) -> SafetensorsLayout:
     """Parse a safetensors header into shapes, dtypes and absolute byte ranges. No torch import.
 
-    The header is held to the rules safetensors itself enforces (surgery.st_header): a header
-    it would refuse is refused here too, as one CheckpointError, so nothing is planned, verified
-    or exported from a file that cannot be loaded. A garbage file reads as an absurd header
+    The header is held to the rules safetensors itself enforces (surgery.formats.st_header): a
+    header it would refuse is refused here too, as one CheckpointError, so nothing is planned,
+    verified or exported from a file that cannot be loaded. A garbage file reads as an absurd header
     length; a truncated file can keep an intact header, so the tensors' end is compared with
     the file size.
     """

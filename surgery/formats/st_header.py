@@ -16,7 +16,7 @@ into a new file. The rules (the format's spec and the reference loader, safetens
 
 Two more rules come from reading JSON safely: a key may appear only once in an object (the
 loader would otherwise keep one value and this reader another), and nesting and numbers are
-bounded (surgery.safejson). Every refusal is a `HeaderProblem` with a one-line reason.
+bounded (surgery.formats.safejson). Every refusal is a `HeaderProblem` with a one-line reason.
 """
 
 from __future__ import annotations

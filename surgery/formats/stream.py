@@ -9,7 +9,7 @@ naive ``torch.load`` + ``save_file`` (the load, plus the bytes ``save_file`` bui
   largest tensor instead of growing to the file size;
 - the writer computes the whole header from shapes and dtypes first, then appends raw bytes.
 Outputs are written to fresh temporary files in the output folder and published together at the
-end, or not at all (surgery.atomic).
+end, or not at all (surgery.formats.atomic).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import os
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-from surgery.formats.checkpoint import CheckpointError, read_index, refuse_key_for_safetensors
+from surgery.errors import CheckpointError
+from surgery.formats.checkpoint import read_index, refuse_key_for_safetensors
 from surgery.formats.pickled import select_state_dict, torch_load_safely
 from surgery.formats.safe_write import write_all
 from surgery.formats.st_file import read_safetensors_layout

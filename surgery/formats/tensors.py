@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from surgery.errors import CheckpointError
 from surgery.formats.st_header import (
     DTYPE_BITS,
 )
-
-if TYPE_CHECKING:
-    pass
-
-
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 
@@ -61,7 +56,7 @@ META_FORMAT = "format"
 META_FINGERPRINT = "surgery.fingerprint"
 
 
-META_MANIFEST = "surgery.manifest"  # the manifest's TOML text, exactly as its file holds it
+META_MANIFEST = "surgery.formats.manifest"  # the manifest's TOML text, exactly as its file holds it
 
 
 META_MANIFEST_SHA256 = "surgery.manifest_sha256"  # sha256 of that text (UTF-8), hex
@@ -70,7 +65,7 @@ META_MANIFEST_SHA256 = "surgery.manifest_sha256"  # sha256 of that text (UTF-8),
 META_ALIASES = "surgery.aliases"  # JSON {alias: stored key}: tied tensors stored once
 
 
-META_SOURCE = "surgery.source"  # the file it was exported from (base name)
+META_SOURCE = "surgery.formats.source"  # the file it was exported from (base name)
 
 
 META_DROPPED = "surgery.dropped"  # JSON list of keys left out (e.g. EMA `n_averaged`)

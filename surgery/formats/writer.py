@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from surgery.errors import OutputExistsError, SurgeryError
+from surgery.errors import CheckpointError, OutputExistsError, SurgeryError
 from surgery.formats.atomic import AtomicGroup
-from surgery.formats.checkpoint import CheckpointError
 from surgery.formats.safe_write import recover, write_all
 from surgery.formats.stream import ProgressFn, TensorSource, itemsize, nbytes
 from surgery.formats.tensors import (
@@ -110,12 +109,12 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
                       progress: ProgressFn | None = None) -> WriteResult:
     """Write `tensors` to `out` (or to shards plus an HF-style index), all or nothing.
 
-    Every file is written to a fresh temp file in the output folder (surgery.atomic); only
+    Every file is written to a fresh temp file in the output folder (surgery.formats.atomic); only
     when all are complete are they published, shards first and the index last. If any step
     fails (a full disk, a signal, a file that appeared meanwhile without `force`), the files
     published so far are taken back and the temps removed, so the destination is left as it
     was and a rerun works. What a killed earlier run left for these names is cleaned up first
-    (`surgery.atomic.recover`, reported in `WriteResult.recovered`).
+    (`surgery.formats.safe_write.recover`, reported in `WriteResult.recovered`).
     """
     aliases = dict(aliases or {})
     shards = plan_shards(tensors, max_shard_size)

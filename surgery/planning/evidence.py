@@ -1,4 +1,5 @@
-"""Choose compile regions from what a run showed (surgery.observe), and say what they cover.
+"""Choose compile regions from what a run showed (surgery.planning.observe), and say what they
+cover.
 
 The rule, and why:
 

@@ -1,10 +1,10 @@
 """`surgery plan --model F --input G`: build the model, watch G drive it, plan from the evidence.
 
-Data flow: factory -> model on ``device`` (real tensors: it must run) -> surgery.observe (calls,
-ops, state changes, times) -> surgery.evidence (regions, left-out with evidence, coverage) ->
-Manifest with ``[region.evidence]`` and ``[coverage]``. The fingerprint is the same as a plan of
-the same factory without ``--input``: the model's weights are not cast (``dtype`` is autocast, as
-streaming models deploy).
+Data flow: factory -> model on ``device`` (real tensors: it must run) -> surgery.planning.observe
+(calls, ops, state changes, times) -> surgery.planning.evidence (regions, left-out with evidence,
+coverage) -> Manifest with ``[region.evidence]`` and ``[coverage]``. The fingerprint is the same as
+a plan of the same factory without ``--input``: the model's weights are not cast (``dtype`` is
+autocast, as streaming models deploy).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Watched:
 def watch_model(model: Any, step: Callable[..., Any], *, steps: int, timed_steps: int = 3,
                 clock: Clock | None = None, include: Sequence[str] = (),
                 autocast: Any = None) -> Watched:
-    """Run ``step`` on the model watched (surgery.observe), with every named method wrapped."""
+    """Run ``step`` on the model watched (planning.observe), with every named method wrapped."""
     view, tensors = view_from_module(model)
     plain, forced = method_includes(model, include)
     names = find_regions(view, include=plain)  # validates --include globs, names the kinds

@@ -33,13 +33,10 @@ from surgery.planning.regions import (
     METHOD_KINDS,
     OUTPUTS_OUTLIVE_STEP,
     Candidate,
-    ModelView,
-    ModuleNode,
     find_regions,
     natural_key,
-    view_from_tensors,
 )
-from surgery.planning.view import ForwardArg
+from surgery.planning.view import ForwardArg, ModelView, ModuleNode, view_from_tensors
 
 
 @dataclass
@@ -291,7 +288,7 @@ def build_model(spec: str, *, notes: list[str] | None = None) -> Any:
 def view_from_module(model: Any) -> tuple[ModelView, dict[str, TensorInfo]]:
     """A view of a live model: its state dict, plus classes, region-worthy methods, and the
     arguments each class's ``forward`` takes (a cache or per-instance index marks a block as
-    streaming, surgery.blocks)."""
+    streaming, surgery.planning.blocks)."""
 
     tensors = {k: TensorInfo(tuple(v.shape), normalize_dtype(v.dtype))
                for k, v in model.state_dict().items()}

@@ -50,7 +50,7 @@ PATCH_EMBED = "patch_embed"
 BLOCK_STACK = "block_stack"
 CUSTOM = "custom"
 # A fixed-shape part of a streaming block (GPT-2's `h.N.mlp` beside the attention that takes the
-# KV cache): found from forward signatures, so only in a live model (surgery.blocks).
+# KV cache): found from forward signatures, so only in a live model (surgery.planning.blocks).
 FIXED_PART = "fixed_part"
 
 # Methods that LingBot-Map's streaming blocks split out of their forward: fixed-shape pieces
@@ -65,7 +65,7 @@ ATTN_PROJ_SUFFIXES: tuple[tuple[str, ...], ...] = (("attn", "proj"),)
 # that is copied in again (cloning all 120 regions of the LingBot-size example cost about 7 ms a
 # frame on an H200; benchmarks/RESULTS.md). Kinds not listed keep the manifest default (clone).
 # This applies to the compiler's graphs; with capture = "region" surgery keeps a ring of output
-# buffers instead (surgery.graphs), and the plan clones nothing.
+# buffers instead (surgery.runtime.graphs.replay), and the plan clones nothing.
 OUTPUTS_OUTLIVE_STEP: dict[str, bool] = {
     ATTN_PRE: True, FFN_RESIDUAL: False, ATTN_PROJ: False, FRAME_BLOCK: False,
     PATCH_EMBED_BLOCK: False, PATCH_EMBED: False,

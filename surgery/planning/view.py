@@ -2,9 +2,10 @@
 
 A checkpoint gives module paths (every key prefix) and the tensors each module owns; a live model
 adds each module's class, the region-worthy methods its class defines, and the arguments its
-``forward`` takes (surgery.plan.view_from_module). Region finding (surgery.regions) asks a node
-for its children, subtree, sizes and these signs, so everything here is answered from indexes
-built once: planning stays linear in the tensor count (issue 10).
+``forward`` takes (surgery.planning.plan.view_from_module). Region finding
+(surgery.planning.regions) asks a node for its children, subtree, sizes and these signs, so
+everything here is answered from indexes built once: planning stays linear in the tensor count
+(issue 10).
 """
 
 from __future__ import annotations

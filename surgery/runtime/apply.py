@@ -33,6 +33,7 @@ from surgery.runtime.cache import SavedBundle, cache_counters, load_bundle, save
 from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.groups import _Group
 from surgery.runtime.report import (
     ApplyReport,
     CacheIgnoredWarning,
@@ -52,7 +53,7 @@ from surgery.runtime.resolve import (
     resolve_path,
 )
 from surgery.runtime.signatures import signature_check
-from surgery.runtime.slots import _Group, _HandleState, _make_wrapper, _Slot
+from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
 
 __all__ = [
     "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",

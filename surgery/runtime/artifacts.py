@@ -16,7 +16,7 @@ will *write* them: an ``autotune`` artifact is written at ``os.path.join(cache_d
 absolute key (or ``..``) writes any file, such as a ``.pth`` that Python runs at start-up. Keys
 must be relative paths of plain name characters, and types must be ones torch 2.7-2.13 writes.
 
-This is defence in depth behind the bundle's signature (surgery.signing), not the defence: a
+This is defence in depth behind the bundle's signature (surgery.runtime.signing), not the defence: a
 signed bundle comes from the key holder, yet its keys are still checked.
 """
 

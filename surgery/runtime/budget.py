@@ -18,8 +18,8 @@ The contract:
   dynamo guards on. A signature the path has not seen is a compile; ``explain_new`` names what
   differs from the nearest seen one, and ``fix_for`` says how to avoid it.
 - **Bounded.** A path may see ``max_signatures`` signatures (compile key, default
-  ``DEFAULT_MAX_SIGNATURES``); the runtime (surgery.slots) then demotes it, to a dynamic compile
-  where only shapes or int values differ, else to eager. Guards the signature cannot see (an
+  ``DEFAULT_MAX_SIGNATURES``); the runtime (surgery.runtime.slots) then demotes it, to a dynamic
+  compile where only shapes or int values differ, else to eager. Guards the signature cannot see (an
   object argument's attributes) are caught by counting real compiles per path.
 """
 

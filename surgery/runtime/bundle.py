@@ -15,22 +15,18 @@ import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from surgery.errors import (
     CacheBundleError,
     CacheKeyError,
     CacheSignatureError,
 )
-from surgery.formats.manifest import MANIFEST_SUFFIX, Manifest, write_text_atomic
+from surgery.formats.manifest import MANIFEST_SUFFIX, Manifest
+from surgery.formats.safe_write import write_text_atomic
 from surgery.runtime.artifacts import ArtifactError, read_artifacts
 from surgery.runtime.bundle_env import ENV_KEYS, environment_without_torch, same_torch
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE, load_key, mac, mac_matches
-
-if TYPE_CHECKING:
-    pass
-
-
 
 BUNDLE_SUFFIX = ".surgery.cache"
 

@@ -23,10 +23,10 @@ File layout (integers little-endian)::
 A bundle is code: torch unpickles its artifacts and writes them into its caches, where they run
 again in later processes. A hash kept in the same file proves nothing against whoever wrote the
 file, so a bundle is trusted only when its MAC verifies with the key the deployer holds
-(surgery.signing: $SURGERY_CACHE_KEY or $SURGERY_CACHE_KEY_FILE). The checks, in order, all
+(surgery.runtime.signing: $SURGERY_CACHE_KEY or $SURGERY_CACHE_KEY_FILE). The checks, in order, all
 before torch sees a byte: magic and lengths against the file's size; the key is there; the MAC
 (constant-time compare), before any byte of the metadata is parsed; the metadata; the framing of
-the blob and every artifact key (surgery.artifacts, defence in depth); then the environment.
+the blob and every artifact key (surgery.runtime.artifacts, defence in depth); then the environment.
 Every problem becomes a one-line reason, never an exception: a stale, forged or corrupt bundle
 must not stop a deployment; it only costs the compile it would have saved. Format-1 bundles
 (``SGCACHE1``, written before bundles were signed) are never loaded; verify calls them unsigned.
@@ -90,7 +90,7 @@ def _api_missing() -> str | None:
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
                 device: str) -> tuple[bool, str]:
     """Hand the bundle to ``torch.compiler.load_cache_artifacts`` if, and only if, it is signed
-    with the deployer's key (surgery.signing) and fits this manifest and machine.
+    with the deployer's key (surgery.runtime.signing) and fits this manifest and machine.
 
     Returns (loaded, one-line reason). Never raises for a bad bundle: the caller compiles as
     usual. No byte of the bundle reaches torch unless every check passed.
@@ -174,7 +174,7 @@ def bundle_metadata(manifest: Manifest, *, overrides: Mapping[str, Any] | None,
 def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
                 device: str, force: bool = True, key: bytes | None = None) -> SavedBundle:
     """Serialise this process's compile caches into a bundle bound to ``manifest``, signed with
-    ``key`` (default: the deployer's key from the environment, surgery.signing).
+    ``key`` (default: the deployer's key from the environment, surgery.runtime.signing).
 
     torch records every artifact compiled (or loaded from a cache) in this process, so call it
     after warm-up, in a process that compiled this model only.

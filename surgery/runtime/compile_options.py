@@ -26,7 +26,8 @@ COMPILE_KEYS: frozenset[str] = frozenset({
     "clone_outputs", "on_cpu", "capture", "max_signatures",
 })
 # Who captures CUDA graphs: the compiler (cudagraph trees under mode="reduce-overhead", or the
-# cudagraphs backend), or surgery itself, one graph per region path (see surgery.graphs).
+# cudagraphs backend), or surgery itself, one graph per region path (see
+# surgery.runtime.graphs.replay).
 CAPTURES = ("compiler", "region")
 CLONE_RISK = ("planned for capture='region', which clones no outputs, but run under the "
               "compiler's CUDA graphs: an output kept across steps (a KV cache) is overwritten by "
@@ -47,11 +48,11 @@ class CompilePlan:
     dynamic: bool | None
     cuda_graphs: bool
     clone_outputs: bool
-    capture_region: bool = False  # surgery captures this region's graphs (surgery.graphs)
+    capture_region: bool = False  # surgery captures this region's graphs (runtime.graphs)
     clone_risk: bool = False  # planned for region capture, run under the compiler's graphs
     eager_reason: str | None = None
     notes: list[str] = field(default_factory=list)
-    max_signatures: int = DEFAULT_MAX_SIGNATURES  # per path, before a demotion (surgery.budget)
+    max_signatures: int = DEFAULT_MAX_SIGNATURES  # per path, before a demotion (runtime.budget)
 
 
 def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, Any] | None,
@@ -60,8 +61,9 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
 
     An override of ``None`` removes a key (e.g. ``{"mode": None, "options": {...}}``).
     """
-    # A manifest's settings are data (surgery.allowlist); a Manifest built in memory skipped the
-    # reader's validation, so its tables are checked again here. Overrides are the caller's code.
+    # A manifest's settings are data (surgery.formats.allowlist); a Manifest built in memory skipped
+    # the reader's validation, so its tables are checked again here. Overrides are the caller's
+    # code.
     schema = load_schema()
     for table, where in ((manifest.compile, "compile"), (region.compile,
                                                         f"region {region.kind!r} compile")):

@@ -2,8 +2,8 @@
 
 A record may say ``compiled`` only when compiled code ran for its path, so the backend that
 torch.compile is given wraps the real one: it counts each graph compiled and each execution,
-attributed to the path whose call is running (surgery.slots pushes it). A group compiles a copy
-of its function with a code object of its own (surgery.budget), so its dynamo cache and
+attributed to the path whose call is running (surgery.runtime.slots pushes it). A group compiles a
+copy of its function with a code object of its own (surgery.runtime.budget), so its dynamo cache and
 recompile limit are its own.
 """
 
@@ -82,8 +82,8 @@ class _Group:
     """One compiled callable shared by every path with the same code and options.
 
     Identical blocks share it, so dynamo compiles once per distinct structure, not per instance.
-    It compiles a copy of the function with a code object of its own (surgery.budget), so its
-    dynamo cache and recompile limit are its own: no other group, handle or model shares them.
+    It compiles a copy of the function with a code object of its own (surgery.runtime.budget), so
+    its dynamo cache and recompile limit are its own: no other group, handle or model shares them.
     """
 
     compiled: Callable[..., Any]

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+
 class SurgeryWarning(UserWarning):
     """Something the runtime did differently from what the manifest asked, and why."""
 

@@ -57,7 +57,7 @@ def _embedded_manifest(path: str) -> Manifest:
 
 def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> Binding:
     """Bind the manifest to the live model: canonical keys and shapes, not dtypes (a cast model
-    binds, with a note). A mismatch says what differs (surgery.binding) and raises, or warns
+    binds, with a note). A mismatch says what differs (surgery.formats.binding) and raises, or warns
     with ``strict=False``."""
 
     # The same naming as plan and export: canonical keys, EMA bookkeeping left out.

@@ -1,16 +1,16 @@
 """One installed region path: the wrapper, the compiled callable it shares, and the counting.
 
-``apply_manifest`` (surgery.apply) installs a ``_Slot`` per region path. Each call goes through
-the slot: eager after a fallback, a demotion or restore; otherwise the compiled callable, counted
-by a wrapping backend so a record says ``compiled`` only when compiled code ran; or, with
-``capture = "region"``, a replay of surgery's own CUDA graph (surgery.graphs).
+``apply_manifest`` (surgery.runtime.apply) installs a ``_Slot`` per region path. Each call goes
+through the slot: eager after a fallback, a demotion or restore; otherwise the compiled callable,
+counted by a wrapping backend so a record says ``compiled`` only when compiled code ran; or, with
+``capture = "region"``, a replay of surgery's own CUDA graph (surgery.runtime.graphs.replay).
 
 What it promises (with ``on_failure = "eager"``): no compile problem escapes a call. Anything
 raised by dynamo, AOTAutograd, inductor, Triton or surgery's capture and replay makes the path
 (or every path sharing the failed code) run eager from then on, with one warning per region and
 the reason in the record; only an error the original code raises too propagates. Before the
 compiled callable runs, the call's signature is checked against the path's budget
-(surgery.budget): past it the path compiles dynamic or runs eager instead of recompiling.
+(surgery.runtime.budget): past it the path compiles dynamic or runs eager instead of recompiling.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class _Slot:
         """Run the compiled callable (eager after a compile failure); True if a graph ran.
 
         The call's signature is checked against the path's budget first, so a path that would
-        storm is demoted before dynamo compiles again (surgery.budget).
+        storm is demoted before dynamo compiles again (surgery.runtime.budget).
         """
         rec = self.record
         if self.mode != "compiled":

@@ -1,6 +1,6 @@
 """`surgery warm`: build the model, apply its manifest, warm up, and save the compile-cache bundle.
 
-The bundle's format and its checks live in surgery.cache; this is the command's work.
+The bundle's format and its checks live in surgery.runtime.cache; this is the command's work.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 from surgery.errors import CacheBundleError, ModelSourceError, OutputExistsError
 from surgery.formats.source import load_factory
-from surgery.runtime.apply import apply_manifest, resolve_manifest
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle
+from surgery.runtime.resolve import resolve_manifest
 from surgery.runtime.signing import require_key
 
 
@@ -84,7 +85,7 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
     """Build the model, apply the manifest, warm up with the example input, save the bundle.
 
     The bundle is signed with the deployer's key (``key_file``, else $SURGERY_CACHE_KEY or
-    $SURGERY_CACHE_KEY_FILE: surgery.signing); without one nothing is compiled and a
+    $SURGERY_CACHE_KEY_FILE: surgery.runtime.signing); without one nothing is compiled and a
     CacheKeyError says how to make one. The output may not be any file this command reads.
 
     ``input_spec`` names a factory that receives the model and returns its input (a tensor,

@@ -1,8 +1,9 @@
-"""Capturing CUDA graphs for surgery's region graphs (surgery.graphs): who captures, and where.
+"""Capturing CUDA graphs for surgery's region graphs (surgery.runtime.graphs.replay): who captures,
+and where.
 
 ``CudaCapturer`` captures on a side stream into one memory pool shared by every live region
-graph of a device. ``surgery.graphs`` talks to it through the ``Capturer`` protocol, which is
-also how the tests drive the same logic on a CPU with a stand-in graph.
+graph of a device. ``surgery.runtime.graphs.replay`` talks to it through the ``Capturer`` protocol,
+which is also how the tests drive the same logic on a CPU with a stand-in graph.
 
 WriteProbe: which inputs a call wrote in place, for normal tensors and for inference tensors alike.
 

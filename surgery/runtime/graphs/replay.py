@@ -19,10 +19,11 @@ The contract, which is what makes that safe:
   a changed one drops the path's graphs (``load_state_dict`` copies in place and keeps them). Any
   other Python state the region reads is frozen at capture, as in every CUDA graph.
 - **Inputs** are copied into the graph's own buffers. An input the region writes in place is
-  copied back after each replay. Which inputs it writes is found at capture (surgery.inplace):
-  exactly for normal tensors (their version counters); under ``inference_mode``, whose tensors
-  have no version counter, by comparing bytes before and after, which misses only a write that
-  left every byte unchanged in both the second call and the capture's run.
+  copied back after each replay. Which inputs it writes is found at capture
+  (surgery.runtime.graphs.capture): exactly for normal tensors (their version counters); under
+  ``inference_mode``, whose tensors have no version counter, by comparing bytes before and after,
+  which misses only a write that left every byte unchanged in both the second call and the capture's
+  run.
 - **Autocast** of the region's device is part of the signature, so a head that turns autocast
   off inside an autocast step gets a graph of its own for each state.
 - **Outputs** are copied, inside the graph, into buffers owned by the region path, laid out as
