@@ -1,11 +1,11 @@
 """Host cost of one region-graph replay, without the GPU: surgery's own checks per call.
 
-A region-capture replay (surgery/runtime/graphs/replay.py) checks the call signature, that the module's tensors
-have not moved, that no caller holds the outputs it is about to overwrite, then copies inputs,
-launches the graph and hands back output views. This measures everything but the launch and the
-copies, on the CPU: the graph is a stand-in whose replay does nothing, and inputs are passed as
-the region's own buffers (a replay skips copying those), so only the Python bookkeeping is timed.
-It runs through ``apply_manifest``'s installed wrapper, as a model's call does.
+A region-capture replay (surgery/runtime/graphs/replay.py) checks the call signature, that the
+module's tensors have not moved, that no caller holds the outputs it is about to overwrite, then
+copies inputs, launches the graph and hands back output views. This measures everything but the
+launch and the copies, on the CPU: the graph is a stand-in whose replay does nothing, and inputs are
+passed as the region's own buffers (a replay skips copying those), so only the Python bookkeeping is
+timed. It runs through ``apply_manifest``'s installed wrapper, as a model's call does.
 
     python benchmarks/bench_replay_overhead.py          # prints a table and one JSON line
 """
