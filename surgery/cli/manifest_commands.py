@@ -171,6 +171,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
     else:
         assert model_spec is not None
         if input_spec is not None:
+            # imported here: it imports torch, which plan of a checkpoint must not pay for
             from surgery.planning.observed import plan_observed
 
             result = plan_observed(model_spec, input_spec=input_spec, steps=steps,
@@ -282,7 +283,7 @@ def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
       surgery warm --model surgery.examples:tiny --manifest tiny.surgery.toml
           --input surgery.examples:example_input --device cpu --overrides on_cpu=compile
     """
-    from surgery.runtime.warm import warm_start
+    from surgery.runtime.warm import warm_start  # imports torch: only `warm` pays for it
 
     result = warm_start(model_spec, manifest=manifest, input_spec=input_spec, device=device,
                         dtype=dtype, out=output, force=force, overrides=overrides,
