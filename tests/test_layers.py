@@ -11,7 +11,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones:
     surgery.cli              the only printer; surgery.examples, imported by nothing
 
 Also: no import cycle (type-only imports count too), no import inside a function except a heavy
-or optional dependency (torch, triton, numpy, safetensors' torch loader, jsonschema, tomli-w) or
+or optional dependency (torch, triton, numpy, safetensors' torch loader, jsonschema, tomli-w,
+importlib.metadata) or
 a surgery module that imports torch, from a module that does not (the CLI stays torch-free until
 a command needs torch), and modules of 100 to 400 lines.
 """
@@ -38,7 +39,10 @@ LAYERS = [
     ("surgery.hygiene",),
     ("surgery.cli", "surgery.examples", "surgery.__main__"),
 ]
-HEAVY = ("torch", "triton", "numpy", "safetensors.torch", "jsonschema", "tomli_w")
+# Heavy or optional dependencies, and importlib.metadata (~70 ms: it imports the email package),
+# which only a bundle check needs.
+HEAVY = ("torch", "triton", "numpy", "safetensors.torch", "jsonschema", "tomli_w",
+         "importlib.metadata")
 
 
 def module_name(path: Path) -> str:

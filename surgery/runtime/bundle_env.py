@@ -8,7 +8,6 @@ package metadata for triton, and ``nvidia-smi`` for the GPU.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -50,6 +49,10 @@ def environment_without_torch(*, want_gpu: bool) -> tuple[dict[str, str | None],
     Returns the record and what could not be checked. The GPU name comes from ``nvidia-smi``
     when ``want_gpu`` and it is on PATH; otherwise it is unknown, and said so.
     """
+    # importlib.metadata costs ~70 ms to import (it pulls in the email package): only a bundle
+    # check pays for it, not every CLI start (`surgery verify` of a safetensors file).
+    import importlib.metadata
+
     unchecked: list[str] = []
     env: dict[str, str | None] = {"python": _python(), "platform": _platform(), "device": "cpu"}
     # triton ships as `triton`, or as `pytorch-triton` with nightly builds of torch.
