@@ -29,7 +29,7 @@ from torch import nn
 
 # Re-exported so that `--model surgery.examples:lingbot_sdpa` and `--input
 # surgery.examples:stream_step` name every example from one module.
-from surgery.examples.sdpa import PatchEmbed, frame_input
+from surgery.examples.sdpa import PatchEmbed, StreamingExample
 from surgery.examples.sdpa import lingbot_sdpa as lingbot_sdpa
 from surgery.examples.sdpa import stream_step as stream_step
 from surgery.examples.sdpa import tiny_sdpa as tiny_sdpa
@@ -159,7 +159,7 @@ class Aggregator(nn.Module):
         return x
 
 
-class ExampleModel(nn.Module):
+class ExampleModel(StreamingExample):
     """LingBot-Map-shaped streaming model: one frame in, one set of per-token features out."""
 
     def __init__(self, cfg: ExampleConfig = TINY) -> None:
@@ -176,10 +176,6 @@ class ExampleModel(nn.Module):
         for blk in self.aggregator.global_blocks:
             assert isinstance(blk, GlobalBlock)
             blk.kv_cache.clear()
-
-    def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
-        """One frame, on the model's device and dtype."""
-        return frame_input(self, self.config, batch=batch, seed=seed)
 
 
 def tiny() -> ExampleModel:

@@ -158,17 +158,22 @@ class RopeBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def frame_input(model: nn.Module, cfg: Any, *, batch: int, seed: int) -> torch.Tensor:
-    """One random ``cfg.height`` x ``cfg.width`` frame on ``model``'s device and dtype (both
-    example builds share it)."""
-    p = next(model.parameters())
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 3, cfg.height, cfg.width, generator=g)
-    return x.to(device=p.device, dtype=p.dtype)
+class StreamingExample(nn.Module):
+    """What both example builds share: a config that sizes the frame, and an example frame."""
+
+    config: Any
+
+    def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
+        """One random frame, on the model's device and dtype."""
+        p = next(self.parameters())
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, 3, self.config.height, self.config.width, generator=g)
+        return x.to(device=p.device, dtype=p.dtype)
 
 
-class VitBlock(nn.Module):
-    """A patch-embed (DINO-like) block: no RoPE, learned position embedding upstream."""
+class _AttnMlpBlock(nn.Module):
+    """The layers VitBlock and CameraBlock share: pre-norm attention (qkv, proj), then an MLP.
+    Each defines its own forward (the camera block's attends over a cache)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
         super().__init__()
@@ -179,13 +184,24 @@ class VitBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, dim * mlp_ratio)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """(3, B, heads, N, head_dim): q, k and v of the normed tokens."""
         b, n, c = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
-        x = x + self.proj(o)
+        return qkv.permute(2, 0, 3, 1, 4)
+
+    def _out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual after attention output ``o`` (B, heads, N, head_dim), then the MLP."""
+        x = x + self.proj(o.transpose(1, 2).reshape(x.shape))
         return x + self.mlp(self.norm2(x))
+
+
+class VitBlock(_AttnMlpBlock):
+    """A patch-embed (DINO-like) block: no RoPE, learned position embedding upstream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        return self._out(x, F.scaled_dot_product_attention(q, k, v))
 
 
 class PatchEmbed(nn.Module):
@@ -288,34 +304,21 @@ class DptHead(nn.Module):
             return self.out(y)
 
 
-class CameraBlock(nn.Module):
+class CameraBlock(_AttnMlpBlock):
     """A trunk block: the frame's camera tokens attend over those of earlier frames.
 
     ``cache[global_idx]`` is this block's slot in the trunk's KV cache, which grows each frame.
     """
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, dim * 3)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, dim * mlp_ratio)
-
     def forward(self, x: torch.Tensor, cache: list[list[torch.Tensor]], global_idx: int,
                 window: int) -> torch.Tensor:
-        b, n, c = x.shape
-        qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        q, k, v = self._qkv(x)
         slot = cache[global_idx]
         slot.append(torch.stack([k, v]))
         if len(slot) > window:
             slot.pop(0)
         kv = torch.cat(slot, dim=3)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1]).transpose(1, 2).reshape(b, n, c)
-        x = x + self.proj(o)
-        return x + self.mlp(self.norm2(x))
+        return self._out(x, F.scaled_dot_product_attention(q, kv[0], kv[1]))
 
 
 class CameraHead(nn.Module):
@@ -337,7 +340,7 @@ class CameraHead(nn.Module):
         return self.pose_branch(x.mean(dim=1))
 
 
-class SdpaExampleModel(nn.Module):
+class SdpaExampleModel(StreamingExample):
     """One frame in; depth (B, 2, H, W) and pose (B, 9) out, streaming over earlier frames."""
 
     def __init__(self, cfg: SdpaConfig = TINY_SDPA) -> None:
@@ -361,10 +364,6 @@ class SdpaExampleModel(nn.Module):
         for slot in self.camera_head.kv_cache:
             slot.clear()
         self.frames_seen = 0
-
-    def example_input(self, *, batch: int = 1, seed: int = 0) -> torch.Tensor:
-        """One frame, on the model's device and dtype."""
-        return frame_input(self, self.config, batch=batch, seed=seed)
 
 
 def tiny_sdpa() -> SdpaExampleModel:
