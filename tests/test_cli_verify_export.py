@@ -208,3 +208,24 @@ def test_verify_safetensors_cli_does_not_import_torch(tmp_path) -> None:
             "assert r.exit_code == 1, r.output\n"
             "assert 'torch' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("args", [
+    pytest.param(["verify", "{clean}"], id="verify-clean"),
+    pytest.param(["verify", "{wrapped}"], id="verify-findings"),
+    pytest.param(["verify", "{missing}"], id="verify-unreadable"),
+    pytest.param(["plan", "{clean}", "-o", "{out}"], id="plan"),
+    pytest.param(["plan", "{missing}", "-o", "{out}"], id="plan-unreadable"),
+])
+def test_the_paused_garbage_collector_comes_back(args, clean, wrapped, tmp_path) -> None:
+    """plan and verify pause the cyclic GC while they read a header (issue 10's scale
+    targets); a command that returns, finds problems or fails must leave it running, or every
+    later command in the process (CliRunner, an embedding tool) would leak cycles."""
+    import gc
+
+    assert gc.isenabled()
+    argv = [a.format(clean=clean, wrapped=wrapped, missing=tmp_path / "none.safetensors",
+                     out=tmp_path / "m.surgery.toml") for a in args]
+    r = run(*argv)
+    assert r.exit_code in (0, 1, 3), r.output
+    assert gc.isenabled()

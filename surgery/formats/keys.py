@@ -57,12 +57,6 @@ _ANY_SEGMENT = re.compile(
     r"(?:^|\.)(?:" + "|".join(re.escape(s.name) for s in SEGMENTS) + r")(?:\.|$)")
 
 
-def has_segment(key: str) -> bool:
-    """True when some part of `key` is a catalogued segment name (it may still be canonical:
-    a `module` deeper down is the model's own attribute)."""
-    return _ANY_SEGMENT.search(key) is not None
-
-
 def canonical_key(key: str) -> str:
     """Strip wrapper segments from one key, in any stacking order, until nothing changes."""
     if _ANY_SEGMENT.search(key) is None:
