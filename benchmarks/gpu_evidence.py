@@ -26,18 +26,25 @@ plan's regions), and the largest relative output difference from eager.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from _arms import (  # noqa: E402
+    against_reference,
+    child_result,
+    fresh_cache_env,
+    latency,
+    print_arm_result,
+    time_call,
+)
 
 ARMS = ("eager", "names", "evidence", "whole")
 SPEC = "surgery.examples:lingbot_sdpa"
@@ -119,26 +126,13 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
                     torch.cuda.reset_peak_memory_stats()
             if handle is not None:
                 torch.compiler.cudagraph_mark_step_begin()
-            x = xs[i % len(xs)]
-            if cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                with ac:
-                    y = call(x)
-                e.record()
-                sync()
-                ms = s.elapsed_time(e)
-            else:
-                t = time.perf_counter()
-                with ac:
-                    y = call(x)
-                ms = (time.perf_counter() - t) * 1e3
+            with ac:
+                y, ms, _ = time_call(functools.partial(call, xs[i % len(xs)]), cuda=cuda)
             model.frames_seen += 1
             if i >= WARM:
                 times.append(ms)
                 outs.append({k: v.float().cpu() for k, v in y.items()})
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-    out.update(median_ms=round(statistics.median(times), 3), p90_ms=round(q[8], 3),
+    out.update(**latency(times),
                steady_peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
                if cuda else 0.0,
                weights_gib=round(base / 2**30, 3),
@@ -148,15 +142,10 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
         out["graphs_captured"] = sum(r.graphs_captured for r in handle.report)
         out["output_sets_max"] = max((r.output_sets for r in handle.report), default=0)
         out["fell_back"] = [r.path for r in handle.report if r.status != "compiled"][:5]
-    ref_path = os.environ.get("GPU_EVIDENCE_REF")
-    if ref_path:
-        if arm == "eager":
-            torch.save(outs, ref_path)
-        elif os.path.exists(ref_path):
-            ref = torch.load(ref_path)
-            out["max_rel_diff"] = max(
-                float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-6))
-                for a, b in zip(outs, ref, strict=True) for k in b)
+    diff = against_reference(outs, ref_path=os.environ.get("GPU_EVIDENCE_REF"),
+                             is_reference=arm == "eager")
+    if diff is not None:
+        out["max_rel_diff"] = diff
     if handle is not None:
         handle.restore()
     return out
@@ -166,23 +155,9 @@ def run_all(arms: list[str], n_frames: int, timeout: int) -> list[dict[str, Any]
     ref = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_evidence_ref_{os.getpid()}.pt")
     results = []
     for i, arm in enumerate(arms):
-        cache = os.path.join(os.path.dirname(ref), f"gpu_evidence_cache_{os.getpid()}_{i}")
-        env = {**os.environ, "GPU_EVIDENCE_REF": ref, "TORCHINDUCTOR_CACHE_DIR": cache,
-               "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--arm", arm, "--frames", str(n_frames)],
-                capture_output=True, text=True, timeout=timeout, env=env)
-            line = next((ln for ln in reversed(proc.stdout.splitlines())
-                         if ln.startswith("{")), None)
-            res = json.loads(line) if line else {
-                "arm": arm, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-        except subprocess.TimeoutExpired:
-            res = {"arm": arm, "error": f"timed out after {timeout} s"}
-        res["process_s"] = round(time.perf_counter() - t, 1)
-        print(json.dumps(res), file=sys.stderr, flush=True)
-        results.append(res)
+        env = fresh_cache_env(f"gpu_evidence_cache_{i}", GPU_EVIDENCE_REF=ref)
+        results.append(child_result([__file__, "--arm", arm, "--frames", str(n_frames)],
+                                    env=env, timeout=timeout, ident={"arm": arm}))
     return results
 
 
@@ -214,13 +189,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     if args.arm:
-        try:
-            res = run_arm(args.arm, args.frames)
-        except Exception as e:  # report the failure as the arm's result
-            traceback.print_exc()
-            msg = str(e).strip().splitlines()
-            res = {"arm": args.arm, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
-        print(json.dumps(res))
+        print_arm_result(lambda: run_arm(args.arm, args.frames), {"arm": args.arm})
         return
     arms = args.arms.split(",") if args.arms else list(ARMS)
     unknown = sorted(set(arms) - set(ARMS))

@@ -35,19 +35,26 @@ changed, and the largest relative output difference from eager over the same fra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from _arms import (  # noqa: E402
+    against_reference,
+    child_result,
+    fresh_cache_env,
+    latency,
+    print_arm_result,
+    time_call,
+)
 
 # surgery arms: (plan --include, plan --exclude, plan --backend, plan --fold, apply overrides,
 # plan --capture)
@@ -204,20 +211,10 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
             x = xs[(window + i) % len(xs)]
             if step:
                 mark()
+            y, ms, host_ms = time_call(functools.partial(call, x), cuda=cuda)
+            times.append(ms)
             if cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                t = time.perf_counter()
-                y = call(x)
-                host.append((time.perf_counter() - t) * 1e3)
-                end.record()
-                sync()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                y = call(x)
-                times.append((time.perf_counter() - t) * 1e3)
+                host.append(host_ms)
             outputs.append(y.float().cpu())
         prof_path = os.environ.get("GPU_REGIONS_PROFILE")
         if prof_path and cuda:
@@ -233,11 +230,8 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
                 f.write("\n\n")
                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
-    timed = times[-TIMED:]
-    q = statistics.quantiles(timed, n=10)
     out.update(
-        cold_s=round(cold, 3), plan_s=round(plan_s, 3),
-        median_ms=round(statistics.median(timed), 3), p90_ms=round(q[8], 3),
+        cold_s=round(cold, 3), plan_s=round(plan_s, 3), **latency(times[-TIMED:]),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else 0.0,
         changed_keys=len(keys_before - keys_after),
         gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
@@ -249,15 +243,10 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
         out["graph_replays"] = sum(r.graph_replays for r in handle.report)
         out["capture_s"] = round(sum(r.capture_s for r in handle.report), 3)
         out["output_sets_max"] = max((r.output_sets for r in handle.report), default=0)
-    ref_path = os.environ.get("GPU_REGIONS_REF")
-    if ref_path:
-        if arm == "eager":
-            torch.save(outputs, ref_path)
-        elif os.path.exists(ref_path):
-            ref = torch.load(ref_path)
-            out["max_rel_diff"] = max(
-                float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-                for a, b in zip(outputs, ref, strict=True))
+    diff = against_reference(outputs, ref_path=os.environ.get("GPU_REGIONS_REF"),
+                             is_reference=arm == "eager")
+    if diff is not None:
+        out["max_rel_diff"] = diff
     if handle is not None:
         handle.restore()
     return out
@@ -272,22 +261,10 @@ def run_all(arms: list[str], n_frames: int, timeout: int,
     runs = [(i, arm, "") for i, arm in enumerate(arms)]
     runs += [(arms.index(a), a, " (warm cache)") for a in warm_rerun if a in arms]
     for i, arm, label in runs:
-        # A fresh compile cache per arm: every cold start is cold (nothing from earlier arms).
-        cache = os.path.join(os.path.dirname(ref), f"gpu_regions_cache_{os.getpid()}_{i}")
-        env = {**os.environ, "GPU_REGIONS_REF": ref, "TORCHINDUCTOR_CACHE_DIR": cache,
-               "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--arm", arm, "--frames", str(n_frames)],
-                capture_output=True, text=True, timeout=timeout, env=env)
-            line = next((ln for ln in reversed(proc.stdout.splitlines())
-                         if ln.startswith("{")), None)
-            res = json.loads(line) if line else {
-                "arm": arm, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-        except subprocess.TimeoutExpired:
-            res = {"arm": arm, "error": f"timed out after {timeout} s"}
-        res["process_s"] = round(time.perf_counter() - t, 1)
+        # A fresh compile cache per arm (a warm rerun reuses its arm's): every cold start is cold.
+        env = fresh_cache_env(f"gpu_regions_cache_{i}", GPU_REGIONS_REF=ref)
+        res = child_result([__file__, "--arm", arm, "--frames", str(n_frames)], env=env,
+                           timeout=timeout, ident={"arm": arm})
         res["arm"] += label
         print(json.dumps(res), file=sys.stderr, flush=True)
         results.append(res)
@@ -322,13 +299,7 @@ def main() -> None:
                          "cache (start-up after a restart on the same machine)")
     args = ap.parse_args()
     if args.arm:
-        try:
-            res = run_arm(args.arm, args.frames)
-        except Exception as e:  # report the failure as the arm's result
-            traceback.print_exc()
-            msg = str(e).strip().splitlines()
-            res = {"arm": args.arm, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
-        print(json.dumps(res))
+        print_arm_result(lambda: run_arm(args.arm, args.frames), {"arm": args.arm})
         return
     arms = args.arms.split(",") if args.arms else list(ARMS)
     unknown = sorted(set(arms) - set(ARMS))

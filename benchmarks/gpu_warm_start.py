@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 STARTED = time.perf_counter()
+from _arms import child_result  # noqa: E402
 
 
 def bench_model() -> Any:
@@ -155,20 +155,9 @@ def run_all(*, size: str, device: str, dtype: str, timeout: int,
     results: list[dict[str, Any]] = []
     for phase in ("cold", "warm"):
         penv = {**env, "TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"inductor-{phase}")}
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--phase", phase, "--manifest", manifest,
-                 "--bundle", bundle, "--device", device],
-                capture_output=True, text=True, timeout=timeout, env=penv)
-            line = next((ln for ln in reversed(proc.stdout.splitlines())
-                         if ln.startswith("{")), None)
-            res = json.loads(line) if line else {
-                "phase": phase, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-        except subprocess.TimeoutExpired:
-            res = {"phase": phase, "error": f"timed out after {timeout} s"}
-        res["process_s"] = round(time.perf_counter() - t, 1)
-        print(json.dumps(res), file=sys.stderr, flush=True)
+        res = child_result([__file__, "--phase", phase, "--manifest", manifest, "--bundle",
+                            bundle, "--device", device], env=penv, timeout=timeout,
+                           ident={"phase": phase})
         results.append(res)
         if "error" in res:
             break

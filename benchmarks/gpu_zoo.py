@@ -36,13 +36,11 @@ difference from eager, and for surgery what was compiled, demoted (and why) and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +48,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from _arms import (  # noqa: E402
+    against_reference,
+    child_result,
+    fresh_cache_env,
+    latency,
+    print_arm_result,
+    time_call,
+)
 
 MODELS = ("timm_vit", "hf_bert", "gpt2_decode", "dit", "flux", "sd3")
 ARMS = ("eager", "whole", "surgery", "evidence")
@@ -240,24 +246,11 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
         times: list[float] = []
         outputs: list[Any] = []
         for _ in range(n_calls):
-            if cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                y = step(call)
-                end.record()
-                sync()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                y = step(call)
-                times.append((time.perf_counter() - t) * 1e3)
+            y, ms, _ = time_call(functools.partial(step, call), cuda=cuda)
+            times.append(ms)
             outputs.append(_first_tensor(y).float().cpu())
     keys_after = set(model.state_dict())
-    timed = times[len(times) // 5:]
-    q = statistics.quantiles(timed, n=10) if len(timed) > 1 else [timed[0]] * 9
-    out.update(cold_s=round(cold, 2), median_ms=round(statistics.median(timed), 3),
-               p90_ms=round(q[8], 3),
+    out.update(cold_s=round(cold, 2), **latency(times[len(times) // 5:]),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else 0.0,
                changed_keys=len(keys_before ^ keys_after),
                gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
@@ -267,15 +260,10 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
         out["graph_replays"] = sum(getattr(r, "graph_replays", 0) for r in recs)
         out["eager_reasons"] = sorted({f"{r.kind}: {r.reason}" for r in recs
                                        if r.status != "compiled" and r.reason})[:6]
-    ref_path = os.environ.get("ZOO_REF")
-    if ref_path:
-        if arm == "eager":
-            torch.save(outputs, ref_path)
-        elif os.path.exists(ref_path):
-            ref = torch.load(ref_path)
-            out["max_rel_diff"] = max(
-                float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-                for a, b in zip(outputs, ref, strict=True))
+    diff = against_reference(outputs, ref_path=os.environ.get("ZOO_REF"),
+                             is_reference=arm == "eager")
+    if diff is not None:
+        out["max_rel_diff"] = diff
     if handle is not None:
         handle.restore()
     return out
@@ -313,24 +301,10 @@ def run_all(models: list[str], arms: list[str], n_calls: int, timeout: int) -> l
     for name in models:
         ref = os.path.join(tmp, f"gpu_zoo_ref_{os.getpid()}_{name}.pt")
         for i, arm in enumerate(arms):
-            cache = os.path.join(tmp, f"gpu_zoo_cache_{os.getpid()}_{name}_{i}")
-            env = {**os.environ, "ZOO_REF": ref, "TORCHINDUCTOR_CACHE_DIR": cache,
-                   "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-            t = time.perf_counter()
-            try:
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--model", name, "--arm", arm, "--calls",
-                     str(n_calls)], capture_output=True, text=True, timeout=timeout, env=env)
-                line = next((ln for ln in reversed(proc.stdout.splitlines())
-                             if ln.startswith("{")), None)
-                res = json.loads(line) if line else {
-                    "model": name, "arm": arm,
-                    "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-            except subprocess.TimeoutExpired:
-                res = {"model": name, "arm": arm, "error": f"timed out after {timeout} s"}
-            res["process_s"] = round(time.perf_counter() - t, 1)
-            print(json.dumps(res), file=sys.stderr, flush=True)
-            results.append(res)
+            env = fresh_cache_env(f"gpu_zoo_cache_{name}_{i}", ZOO_REF=ref)
+            results.append(child_result(
+                [__file__, "--model", name, "--arm", arm, "--calls", str(n_calls)], env=env,
+                timeout=timeout, ident={"model": name, "arm": arm}))
     return results
 
 
@@ -371,14 +345,8 @@ def main() -> None:
         return
     if not (args.model and args.arm):
         ap.error("give --all, or --model and --arm")
-    try:
-        res = run_arm(args.model, args.arm, args.calls)
-    except Exception as e:  # the arm's failure is its result
-        traceback.print_exc()
-        msg = str(e).strip().splitlines()
-        res = {"model": args.model, "arm": args.arm,
-               "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
-    print(json.dumps(res), flush=True)
+    print_arm_result(lambda: run_arm(args.model, args.arm, args.calls),
+                     {"model": args.model, "arm": args.arm})
 
 
 if __name__ == "__main__":
