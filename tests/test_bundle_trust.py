@@ -516,3 +516,21 @@ def test_save_cache_without_a_key_refuses_and_writes_nothing(site, no_key) -> No
         handle.save_cache()
     assert "secrets.token_hex(32)" in (info.value.hint or "")
     assert not (site / "net.surgery.cache").exists()
+
+
+def test_warm_counts_an_indexes_shards_as_its_inputs(tmp_path) -> None:
+    """`warm --manifest model.index.json -o SHARD --force` must not overwrite a shard: the shards
+    an index names are inputs. The index is read as every index is (bounded, its shards kept in
+    its folder), so a hostile one adds no name outside it and a broken one adds none."""
+    from surgery.runtime.warm import _inputs
+
+    index = tmp_path / "model.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors",
+                                                "b": "model-2.safetensors"}}))
+    got = _inputs(str(index), key_file=None, factories=[])
+    assert got == [str(index), str(tmp_path / "model-1.safetensors"),
+                   str(tmp_path / "model-2.safetensors")]
+    index.write_text(json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
+    assert _inputs(str(index), key_file=None, factories=[]) == [str(index)]
+    index.write_text("[" * 100_000)
+    assert _inputs(str(index), key_file=None, factories=[]) == [str(index)]

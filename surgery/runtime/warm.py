@@ -5,7 +5,7 @@ The bundle's format and its checks live in surgery.runtime.cache; this is the co
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import sys
 import time
@@ -13,8 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from surgery.errors import CacheBundleError, ModelSourceError, OutputExistsError
+from surgery.errors import CacheBundleError, CheckpointError, ModelSourceError, OutputExistsError
+from surgery.formats.checkpoint import read_index
 from surgery.formats.source import load_factory
+from surgery.formats.tensors import INDEX_SUFFIX
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle
@@ -50,14 +52,11 @@ def _inputs(manifest: str, *, key_file: str | None, factories: list[Callable[...
     """Every file warm reads: the manifest (and the shards of a sharded export's index), the
     key file, and the modules of the factories. The bundle may overwrite none of them."""
     files = [manifest] + ([key_file] if key_file else [])
-    if manifest.endswith(".index.json"):
-        try:
-            with open(manifest, encoding="utf-8") as f:
-                shards = json.load(f).get("weight_map", {}).values()
-            folder = os.path.dirname(manifest)
-            files += [os.path.join(folder, s) for s in set(shards) if isinstance(s, str)]
-        except (OSError, ValueError, AttributeError, RecursionError):
-            pass  # reading the manifest reports a broken index; here it only adds names
+    if manifest.endswith(INDEX_SUFFIX):
+        # Read as every index is (bounded, shards kept in its folder); a broken one is reported
+        # by reading the manifest, here it only adds names.
+        with contextlib.suppress(CheckpointError):
+            files += sorted(set(read_index(manifest).values()))
     for factory in factories:
         module = sys.modules.get(getattr(factory, "__module__", "") or "")
         file = getattr(module, "__file__", None)
