@@ -534,3 +534,19 @@ def test_warm_counts_an_indexes_shards_as_its_inputs(tmp_path) -> None:
     assert _inputs(str(index), key_file=None, factories=[]) == [str(index)]
     index.write_text("[" * 100_000)
     assert _inputs(str(index), key_file=None, factories=[]) == [str(index)]
+
+
+@pytest.mark.slow  # inductor on the CPU: only its compiles leave artifacts to bundle
+def test_warm_signs_with_the_key_file_it_was_given(warm_site, no_key) -> None:
+    """`warm --key-file` reaches the signer (ApplyHandle.save_cache(key=)): with no key in the
+    environment the bundle is written, verifies with that key, and with no other."""
+    from surgery.errors import CacheSignatureError
+
+    (warm_site / "cache.key").write_text(KEY_HEX)
+    r = CliRunner().invoke(cli, [*WARM, "--key-file", "cache.key"])
+    assert r.exit_code == 0, r.output
+    path = str(warm_site / "net.surgery.cache")
+    meta, _ = bundle.read_bundle(path, key=KEY)
+    assert meta["format"] == bundle.FORMAT_VERSION
+    with pytest.raises(CacheSignatureError, match="signature does not verify"):
+        bundle.read_bundle(path, key=ATTACKER_KEY)
