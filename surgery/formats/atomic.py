@@ -76,11 +76,6 @@ def _prefix(dest: str, mark: str) -> str:
     return f".{os.path.basename(dest)[:_NAME_KEEP]}{mark}"
 
 
-def temp_prefix(dest: str) -> str:
-    """The name every temp of `dest` starts with (hidden, recognisable, per destination)."""
-    return _prefix(dest, TEMP_MARK)
-
-
 def _fresh(dest: str, mark: str) -> str:
     return f"{_prefix(dest, mark)}{os.getpid()}-{secrets.token_hex(6)}"
 

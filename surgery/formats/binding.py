@@ -39,11 +39,6 @@ _NUMBERED_PART = re.compile(r"(?<![^.])\d+(?![^.])")
 SHOWN = 3  # examples per kind of difference in a message
 
 
-def key_pattern(key: str) -> str:
-    """``blocks.11.attn.weight`` -> ``blocks.N.attn.weight``: the numbered copies as one."""
-    return _NUMBERED_PART.sub("N", key)
-
-
 def key_summary(tensors: Mapping[str, Any], *, canonical: bool = False) -> list[str]:
     """One entry per (canonical key pattern, shape), with how many keys have it.
 
