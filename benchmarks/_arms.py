@@ -110,3 +110,35 @@ def against_reference(outputs: list[Any], *, ref_path: str | None,
     ref = torch.load(ref_path)
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
                for a, b in zip(_tensors(outputs), _tensors(ref), strict=True))
+
+
+def plan_from_evidence(model: Any, step: Callable[[Any], Any], *, source: str,
+                       out: dict[str, Any], autocast: Any = None) -> Any:
+    """Plan ``model`` from 6 watched calls of ``step`` (3 timed), as ``surgery plan --input``
+    does, with the default compile settings. Records in ``out``: the region paths per kind,
+    the eager step's coverage by this plan and by the names-only plan of the same model (the
+    same watched run), the hooks' overhead, the largest remainders and how much was left out."""
+    from surgery.planning.evidence import coverage
+    from surgery.planning.observed import manifest_from_evidence, watch_model
+    from surgery.planning.plan import compile_defaults
+
+    w = watch_model(model, step, steps=6, timed_steps=3, autocast=autocast)
+    manifest = manifest_from_evidence(w, source=source, compile=compile_defaults())
+    cov = manifest.coverage or {}
+    out.update(planned=paths_per_kind(manifest), coverage_evidence=cov.get("covered_share"),
+               coverage_names=coverage(w.obs, [c.path for c in w.names.regions])
+               .get("covered_share"),
+               eager_step_ms_hooked=cov.get("step_ms"),
+               hook_overhead_ms=cov.get("hook_overhead_ms"),
+               remainder=cov.get("remainder", [])[:5], left_out=len(manifest.left_out))
+    return manifest
+
+
+def paths_per_kind(manifest: Any) -> dict[str, int]:
+    """Region paths per ``kind:class``, summed over the regions (one per compiled callable)
+    that share it."""
+    counts: dict[str, int] = {}
+    for r in manifest.regions:
+        k = f"{r.kind}:{r.module_class or ''}"
+        counts[k] = counts.get(k, 0) + len(r.paths)
+    return counts

@@ -42,6 +42,8 @@ from _arms import (  # noqa: E402
     child_result,
     fresh_cache_env,
     latency,
+    paths_per_kind,
+    plan_from_evidence,
     print_arm_result,
     time_call,
 )
@@ -61,8 +63,7 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
     import torch
 
     from surgery.formats.source import load_factory
-    from surgery.planning.evidence import coverage
-    from surgery.planning.observed import build_live, manifest_from_evidence, watch_model
+    from surgery.planning.observed import build_live
     from surgery.planning.plan import compile_defaults, plan_model
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,21 +93,11 @@ def run_arm(arm: str, n_frames: int) -> dict[str, Any]:
         if arm == "names":
             manifest = plan_model(spec(), compile=comp).manifest
         else:
-            w = watch_model(model, load_factory(STEP), steps=6, timed_steps=3,
-                            autocast=torch.bfloat16)
-            manifest = manifest_from_evidence(w, source=spec(), compile=comp)
-            names = plan_model(spec(), compile=comp).manifest
-            names_paths = [p for r in names.regions for p in r.paths]
-            cov = coverage(w.obs, names_paths)
-            out["coverage_names"] = cov.get("covered_share")
-            out["coverage_evidence"] = (manifest.coverage or {}).get("covered_share")
-            out["eager_step_ms_hooked"] = (manifest.coverage or {}).get("step_ms")
-            out["hook_overhead_ms"] = (manifest.coverage or {}).get("hook_overhead_ms")
-            out["remainder"] = (manifest.coverage or {}).get("remainder", [])[:5]
+            manifest = plan_from_evidence(model, load_factory(STEP), source=spec(), out=out,
+                                          autocast=torch.bfloat16)
             model.reset_stream()
         out["plan_s"] = round(time.perf_counter() - t0, 2)
-        out["regions"] = {r.kind + ":" + (r.module_class or ""): len(r.paths)
-                          for r in manifest.regions}
+        out["regions"] = paths_per_kind(manifest)
         handle = apply_manifest(model, manifest, warmup=step)
         counts = handle.report.counts()
         out["regions_compiled"] = f"{counts.get('compiled', 0)}/{len(handle.report)}"

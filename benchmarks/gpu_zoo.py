@@ -53,6 +53,8 @@ from _arms import (  # noqa: E402
     child_result,
     fresh_cache_env,
     latency,
+    paths_per_kind,
+    plan_from_evidence,
     print_arm_result,
     time_call,
 )
@@ -215,13 +217,17 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
         res = plan_model(f"gpu_zoo:{name}")
         manifest = res.manifest
         out["plan_s"] = round(time.perf_counter() - t, 2)
-        out["planned"] = {r.kind: len(r.paths) for r in manifest.regions}
+        out["planned"] = paths_per_kind(manifest)
     torch.manual_seed(0)
     model = globals()[name]().to(device=dev, dtype=_dtype()).eval()
     step, reset = driver(name, model, dev)
     keys_before = set(model.state_dict())
     if arm == "evidence":
-        manifest = _evidence_manifest(name, model, step, reset, out)
+        t = time.perf_counter()
+        reset()
+        with torch.inference_mode():
+            manifest = plan_from_evidence(model, step, source=f"gpu_zoo:{name}", out=out)
+        out["plan_s"] = round(time.perf_counter() - t, 2)
     reset()
     sync()
     if cuda:
@@ -267,32 +273,6 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     if handle is not None:
         handle.restore()
     return out
-
-
-def _evidence_manifest(name: str, model: Any, step: Callable[[Any], Any],
-                       reset: Callable[[], None], out: dict[str, Any]) -> Any:
-    """Plan `model` from a watched run of the driver's step (what ``plan --input`` does)."""
-    import torch
-
-    from surgery.planning.evidence import coverage
-    from surgery.planning.observed import manifest_from_evidence, watch_model
-    from surgery.planning.plan import compile_defaults
-
-    t = time.perf_counter()
-    reset()
-    with torch.inference_mode():
-        w = watch_model(model, lambda m: step(m), steps=6, timed_steps=3)
-    manifest = manifest_from_evidence(w, source=f"gpu_zoo:{name}", compile=compile_defaults())
-    out["plan_s"] = round(time.perf_counter() - t, 2)
-    out["planned"] = {r.kind: len(r.paths) for r in manifest.regions}
-    cov = manifest.coverage or {}
-    out["coverage_evidence"] = cov.get("covered_share")
-    names_paths = [c.path for c in w.names.regions]
-    out["coverage_names"] = coverage(w.obs, names_paths).get("covered_share")
-    out["hook_overhead_ms"] = cov.get("hook_overhead_ms")
-    out["remainder"] = cov.get("remainder", [])[:5]
-    out["left_out"] = len(manifest.left_out)
-    return manifest
 
 
 def run_all(models: list[str], arms: list[str], n_calls: int, timeout: int) -> list[dict]:
