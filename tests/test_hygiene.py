@@ -182,7 +182,7 @@ def test_export_embeds_manifest_and_runtime_reads_it(tmp_path) -> None:
     result = export_checkpoint(src, out=out, manifest=man)
     meta = read_safetensors_layout(out).metadata
     assert meta["format"] == "pt" and meta[META_FINGERPRINT] == result.fingerprint
-    assert meta["surgery.formats.manifest"] == text
+    assert meta["surgery.manifest"] == text
     assert meta["surgery.manifest_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     embedded = read_embedded_manifest(out)
     assert isinstance(embedded, Manifest)

@@ -29,12 +29,13 @@ from surgery.formats.safejson import UntrustedJSONError, load_untrusted_json
 from surgery.formats.st_file import read_aliases, read_safetensors_header, read_safetensors_layout
 from surgery.formats.tensors import (
     INDEX_SUFFIX,
-    META_MANIFEST,
+    META_MANIFEST_KEYS,
     META_MANIFEST_SHA256,
     CheckpointInfo,
     TensorInfo,
     _require_file,
     checkpoint_kind,
+    embedded_entry,
 )
 
 
@@ -164,10 +165,11 @@ def read_embedded_manifest(path: str) -> Manifest | None:
     its model. The embedded text is checked against its recorded sha256 and against the schema.
     """
 
-    text = read_embedded_manifest_text(path)
-    if text is None:
+    found = read_embedded_manifest_entry(path)
+    if found is None:
         return None
-    return parse_manifest(text, path=f"{path}[{META_MANIFEST}]")
+    key, text = found
+    return parse_manifest(text, path=f"{path}[{key}]")
 
 
 def read_embedded_manifest_text(path: str) -> str | None:
@@ -176,9 +178,16 @@ def read_embedded_manifest_text(path: str) -> str | None:
     `surgery export --manifest` takes an export as its manifest and embeds this text as is.
     """
 
+    found = read_embedded_manifest_entry(path)
+    return None if found is None else found[1]
+
+
+def read_embedded_manifest_entry(path: str) -> tuple[str, str] | None:
+    """(metadata key, TOML text) of the embedded manifest, under any key set ever written."""
+
     if checkpoint_kind(path) == "sharded":
         meta = _index_metadata(path)
-        if META_MANIFEST not in meta:
+        if embedded_entry(meta, META_MANIFEST_KEYS) is None:
             shards = sorted(set(read_index(path).values()))
             meta = read_safetensors_layout(shards[0]).metadata if shards and \
                 checkpoint_kind(shards[0]) == "safetensors" else {}
@@ -186,15 +195,16 @@ def read_embedded_manifest_text(path: str) -> str | None:
         meta = read_safetensors_layout(path).metadata
     else:
         return None  # a pickle cannot carry one; only `surgery export` output does
-    text = meta.get(META_MANIFEST)
-    if text is None:
+    found = embedded_entry(meta, META_MANIFEST_KEYS)
+    if found is None:
         return None
+    key, text = found
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     recorded = meta.get(META_MANIFEST_SHA256)
     if recorded is not None and recorded != digest:
         raise ManifestError(f"{path}: the embedded manifest does not match its recorded sha256",
                             path=path, hint="the file was edited after export; export it again")
-    return text
+    return key, text
 
 
 def _index_metadata(path: str) -> dict[str, str]:

@@ -49,29 +49,32 @@ _ST_ITEMSIZE = {
 
 
 # Metadata keys that `surgery export` writes into every safetensors file (and the index of a
-# sharded export). `format=pt` is what safetensors' own torch loader expects.
+# sharded export). They are a file format: spelled out here and in the README, never derived
+# from a module path, and never renamed. `format=pt` is what safetensors' own torch loader expects.
 META_FORMAT = "format"
-
-
 META_FINGERPRINT = "surgery.fingerprint"
-
-
-META_MANIFEST = "surgery.formats.manifest"  # the manifest's TOML text, exactly as its file holds it
-
-
+META_MANIFEST = "surgery.manifest"  # the manifest's TOML text, exactly as its file holds it
 META_MANIFEST_SHA256 = "surgery.manifest_sha256"  # sha256 of that text (UTF-8), hex
-
-
 META_ALIASES = "surgery.aliases"  # JSON {alias: stored key}: tied tensors stored once
-
-
-META_SOURCE = "surgery.formats.source"  # the file it was exported from (base name)
-
-
+META_SOURCE = "surgery.source"  # the file it was exported from (base name)
 META_DROPPED = "surgery.dropped"  # JSON list of keys left out (e.g. EMA `n_averaged`)
-
-
 META_VERSION = "surgery.version"
+
+# The one other layout ever written: for a day (2026-12-01, the restructure into layers until
+# issue 21) a search-and-replace of module paths renamed these two keys. Exports of that day
+# carry them, so readers look for each key set, the current one first.
+META_MANIFEST_RESTRUCTURE = "surgery.formats.manifest"
+META_SOURCE_RESTRUCTURE = "surgery.formats.source"
+META_MANIFEST_KEYS: tuple[str, ...] = (META_MANIFEST, META_MANIFEST_RESTRUCTURE)
+META_SOURCE_KEYS: tuple[str, ...] = (META_SOURCE, META_SOURCE_RESTRUCTURE)
+
+
+def embedded_entry(metadata: dict[str, str], keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(key, value) of the first of `keys` that `metadata` holds: a reader for every layout."""
+    for key in keys:
+        if key in metadata:
+            return key, metadata[key]
+    return None
 
 
 def normalize_dtype(dtype: object) -> str:

@@ -15,9 +15,7 @@ from surgery.errors import CheckpointError, OutputExistsError, SurgeryError
 from surgery.formats.atomic import AtomicGroup
 from surgery.formats.safe_write import recover, write_all
 from surgery.formats.stream import ProgressFn, TensorSource, itemsize, nbytes
-from surgery.formats.tensors import (
-    TensorInfo,
-)
+from surgery.formats.tensors import META_ALIASES, TensorInfo
 
 
 @dataclass
@@ -143,7 +141,7 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
                 meta = dict(metadata)
                 local = {a: t for a, t in aliases.items() if t in names}
                 if local:
-                    meta["surgery.aliases"] = json.dumps(local, sort_keys=True)
+                    meta[META_ALIASES] = json.dumps(local, sort_keys=True)
                 head, order = safetensors_header(shard, meta)
                 fd = group.create(path)
                 write_all(fd, head)
