@@ -7,12 +7,14 @@ file proves its payload never ran.
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import contextlib
 import copyreg
 import io
 import json
 import os
+import pathlib
 import pickle
 import struct
 import subprocess
@@ -546,6 +548,13 @@ def corpus(marker: str) -> dict[str, bytes]:
         "polyglot-pickle-then-zip.pt": f"cos\nsystem\n(S'{sh}'\ntR.".encode()
         + _zip({"w": W}),
         "polyglot-p2-then-zip.pth": pickle.dumps(Call(exec, py), protocol=2) + _zip({"w": W}),
+        # argparse.Namespace and pathlib paths load as data (surgery.formats.pickle_probe): what
+        # they hold is still refused, and their constructors reach no other callable.
+        "timm-args-holding-code.pth.tar": _zip({"state_dict": {"w": W},
+                                                "args": argparse.Namespace(x=Call(os.system, sh))}),
+        "timm-args-path-of-code.pth.tar": _zip(
+            {"state_dict": {"w": W}, "args": Call(pathlib.PurePosixPath, Call(eval, py))}),
+        "raw-namespace-reduce.pt": f"cargparse\nNamespace\n(cos\nsystem\n(S'{sh}'\ntRtR.".encode(),
     }
 
 

@@ -12,14 +12,59 @@ and calling a text file "code" misleads. So the file is classified by its bytes 
   and never executes): a pickle that imports or calls anything torch's allowlist refused is
   unsafe (`UnsafeCheckpointError`, "would run code"); one that merely uses an opcode the
   weights-only loader lacks, or ends early, is unreadable (`CheckpointError`).
+
+## Plain-data classes allowed as data
+
+`torch.load(weights_only=True)` refuses every class outside torch's own allowlist, and rightly:
+a pickle that names a class can make the loader call it. But some checkpoints name a class that
+holds only data. timm's `train.py` (its `CheckpointSaver`) saves every checkpoint as
+``{'epoch', 'arch', 'state_dict', 'optimizer', 'version', 'args', 'metric'}`` with `args` an
+`argparse.Namespace`, and timm's own loader allows that class. Refusing it refused the file the
+README shows first (`surgery plan output/train/checkpoint.pth.tar`).
+
+So the classes in `PLAIN_DATA_TYPES` are allowed through torch's weights-only unpickler, and
+nothing else changes:
+
+- Only torch's weights-only unpickler ever sees the file, never `pickle.load`. The classes are
+  added for the duration of surgery's own load (`torch.serialization.safe_globals`, a context),
+  never process-wide (`add_safe_globals` would widen what the caller's own `torch.load` accepts).
+- What that unpickler can do with an allowed class, and why each is data:
+  - NEWOBJ calls ``cls.__new__(cls, *args)``: `object.__new__` for `Namespace`, which ignores
+    the arguments; the path classes' `__new__` only stores the given parts.
+  - BUILD, on a class without `__setstate__` (none of these has one), does
+    ``inst.__dict__.update(state)``: it sets attributes and runs no method.
+  - REDUCE calls ``cls(*args)``: `Namespace(*args)` takes no positional argument (a non-empty
+    call is a TypeError, reported as unreadable); `PurePosixPath(*parts)` joins strings and does
+    no I/O (a `PosixPath` touches the file system only when one of its methods is called, which
+    the loader never does).
+  - The values they hold are unpickled by the same loader, so they are tensors, containers,
+    numbers, strings, or another class from this list; an attacker's pickle can nest them but
+    cannot reach any other callable. A 100 KB file makes at most ~100 KB of such objects.
+- The pickle scan that explains a refusal (`scan_for_code`, below) counts these classes as
+  allowed, so a refused file still names the class that makes it unsafe, not `Namespace`.
+
+The allowed classes, and who saves them:
+
+- `argparse.Namespace`: timm `train.py` (`args`), fairseq, most argparse training scripts. A bag
+  of attributes: no `__setstate__`, no positional constructor.
+- `pathlib.PosixPath`, `pathlib.PurePosixPath`: an argparse `type=pathlib.Path` option inside
+  those `args` (`--data-dir`, `--output`). A tuple of strings; no I/O until a method is called.
+
+Not allowed, because their reconstruction can call code or they need a third-party import: numpy
+arrays and scalars (`_reconstruct`, object dtypes), omegaconf `DictConfig`, Lightning's
+`AttributeDict`, any model or optimizer object. Such a file is still refused, naming the class.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
+import pathlib
 import pickletools
 import re
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from surgery.errors import CheckpointError, UnsafeCheckpointError
 
@@ -95,7 +140,7 @@ def scan_for_code(data: bytes) -> str | None:
     every checkpoint holds, so they are skipped: the name reported is the one that makes the
     file unsafe. An EXT opcode fetches a global from the copyreg registry, so it counts too.
     """
-    allowed = _allowed_globals()
+    allowed = _allowed_globals() | plain_type_names()
     stream = io.BytesIO(data)
     strings: list[str] = []
     while stream.tell() < len(data):
@@ -161,3 +206,25 @@ def _unsupported_opcode(message: str) -> str | None:
     names = {op.code: op.name for op in pickletools.opcodes}
     return f"{names[chr(code)]} ({code})" if 0 <= code < 256 and chr(code) in names \
         else str(code)
+
+
+PLAIN_DATA_TYPES: tuple[type, ...] = (argparse.Namespace, pathlib.PosixPath,
+                                      pathlib.PurePosixPath)
+
+
+def plain_type_names() -> frozenset[str]:
+    """The pickle global names of PLAIN_DATA_TYPES (``argparse.Namespace``, ...).
+
+    Taken from the classes themselves: pathlib's classes live in ``pathlib._local`` from
+    Python 3.13, and a pickle names the module that defines the class.
+    """
+    return frozenset(f"{t.__module__}.{t.__qualname__}" for t in PLAIN_DATA_TYPES)
+
+
+@contextmanager
+def plain_types_allowed() -> Iterator[None]:
+    """Allow PLAIN_DATA_TYPES in torch's weights-only loader inside the block, and only there."""
+    import torch  # heavy: only where a pickle is loaded
+
+    with torch.serialization.safe_globals(list(PLAIN_DATA_TYPES)):
+        yield

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from surgery.errors import CheckpointError
-from surgery.formats.pickle_probe import explain_refusal, probe_format
+from surgery.formats.pickle_probe import explain_refusal, plain_types_allowed, probe_format
 from surgery.formats.tensors import TensorInfo, _require_file, normalize_dtype
 
 # Container entries that commonly hold the state dict, in the order we prefer them when a file
@@ -27,10 +27,12 @@ def torch_load_safely(path: str) -> Any:
     """``torch.load(weights_only=True)``, with mmap where the format allows it.
 
     The file's bytes are classified first (surgery.formats.pickle_probe): a file that is neither a
-    zip archive nor a pickle never reaches torch, and a legacy pickle is loaded without mmap. Every
-    failure becomes a CheckpointError; a pickle that names code becomes an
-    UnsafeCheckpointError. torch's own message advises turning weights_only off: that advice is
-    never passed on, because it would execute the file.
+    zip archive nor a pickle never reaches torch, and a legacy pickle is loaded without mmap. The
+    plain-data classes frameworks save beside the weights (timm's `args` Namespace:
+    surgery.formats.pickle_probe) are allowed as data for this load only. Every failure becomes a
+    CheckpointError; a pickle that names code becomes an UnsafeCheckpointError. torch's own
+    message advises turning weights_only off: that advice is never passed on, because it would
+    execute the file.
     """
     size = _require_file(path)
     with open(path, "rb") as f:
@@ -40,7 +42,7 @@ def torch_load_safely(path: str) -> Any:
     import torch
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), plain_types_allowed():
             # torch warns about pickle protocols and the like on stderr; the CLI owns stderr.
             warnings.simplefilter("ignore")
             try:
