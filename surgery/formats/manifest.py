@@ -64,6 +64,9 @@ class Region:
     compile: dict[str, Any] = field(default_factory=dict)  # per-region overrides
     # What a run showed (plan --input): observed signatures, calls a step, share of step time.
     evidence: dict[str, Any] | None = None
+    # kind = "piecewise": where the block splits and what grows (surgery.runtime.piecewise):
+    # {"split_ops": [...], "dynamic": ["past_key_values:2", "self.attn.kv_cache"]}.
+    piecewise: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "callable": self.callable,
@@ -77,6 +80,8 @@ class Region:
         d["paths"] = list(self.paths)
         if self.evidence is not None:
             d["evidence"] = dict(self.evidence)
+        if self.piecewise is not None:
+            d["piecewise"] = {k: list(v) for k, v in self.piecewise.items()}
         return d
 
     @classmethod
@@ -85,7 +90,8 @@ class Region:
                    required=d.get("required", True), on_failure=d.get("on_failure", "eager"),
                    module_class=d.get("class"), parameters=d.get("parameters"),
                    compile=dict(d.get("compile", {})),
-                   evidence=dict(d["evidence"]) if "evidence" in d else None)
+                   evidence=dict(d["evidence"]) if "evidence" in d else None,
+                   piecewise=dict(d["piecewise"]) if "piecewise" in d else None)
 
 
 @dataclass

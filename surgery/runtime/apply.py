@@ -34,6 +34,7 @@ from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePla
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
 from surgery.runtime.groups import _Group
+from surgery.runtime.piecewise import PIECEWISE_KIND, PiecewiseGroup, install_piecewise
 from surgery.runtime.report import (
     ApplyReport,
     CacheIgnoredWarning,
@@ -203,6 +204,7 @@ def apply_manifest(
         report.cache = _load_cache(handle, cache)
     state = _HandleState()
     groups: dict[tuple[Any, ...], _Group] = {}
+    piecewise_groups: dict[Any, PiecewiseGroup] = {}
 
     resolved: list[tuple[Region, str, nn.Module, str]] = []
     problems: list[RegionError] = []
@@ -239,7 +241,12 @@ def apply_manifest(
             if plan.eager_reason:
                 rec.status, rec.reason = "eager", plan.eager_reason
                 continue
-            handle._slots.append(_install(mod, name, rec, region, plan, groups, state))
+            if region.kind == PIECEWISE_KIND:  # one graph split at the cache (runtime.piecewise)
+                handle._slots.append(install_piecewise(  # type: ignore[arg-type]
+                    mod, name, rec, region, plan, piecewise_groups,
+                    _capturer_for(mod) if plan.capture_region else None))
+            else:
+                handle._slots.append(_install(mod, name, rec, region, plan, groups, state))
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())

@@ -71,6 +71,12 @@ class RegionRecord:
     recompile_reasons: list[str] = field(default_factory=list)  # what differed, per compile
     fix: str = ""  # how to avoid its recompiles (from the kind of difference)
     notes: list[str] = field(default_factory=list)
+    # kind = "piecewise" (surgery.runtime.piecewise): the fixed-shape pieces of its last graph,
+    # the ops that run between them (per call) and their names, and those ops run in all.
+    pieces: int = 0
+    ops_between: int = 0
+    split_ops: list[str] = field(default_factory=list)
+    ops_between_run: int = 0
 
     # The old names, kept for code written against them.
     @property

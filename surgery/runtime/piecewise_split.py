@@ -1,0 +1,253 @@
+"""The piecewise backend: split a block's one dynamo graph at its cache-dependent ops, compile
+the fixed-shape pieces, and run them as surgery's region graphs (surgery.runtime.piecewise has
+the design; this module is the FX side of it).
+
+Which op goes *between* pieces (a "split node"), decided once per FX graph dynamo hands over:
+
+- its target is a split op named by the manifest (``scaled_dot_product_attention`` by default);
+- an input or its output has a symbolic (dynamic) size, or it is a SymInt computation: the
+  dims the runtime marked dynamic, the cache length, flow through it;
+- it reads a graph input that came from the block's cache (the tensors the runtime found at
+  the cache sources the manifest names), e.g. the ``cat`` that appends to a cache.
+
+Every other op is static. Runs of consecutive ops of one class become one piece
+(``torch.fx.passes.split_module``, order kept), so pieces follow program order and never form a
+cycle. A static piece has fixed shapes: it is compiled with the manifest's backend on its first
+call (with that call's real tensors) and, with CUDA and ``capture = "region"``, captured and
+replayed by a RegionGraphs per region path. Its parameters and buffers are read in place, never
+copied: the graph bakes their addresses, and a moved one drops that path's graphs. The split
+nodes run between pieces as an FX module, op by op (eagerly).
+
+One FX graph may serve several region paths (identical blocks share compiled code), so the
+per-path state (graphs, counts) is looked up from the path whose call is running.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+from surgery.runtime.graphs.capture import Capturer
+from surgery.runtime.graphs.replay import RegionGraphs
+
+# Ops that always run between pieces (the manifest may name these, and only these). Attention is
+# the op whose cost and shape depend on the cache; the others append to or read a cache.
+SPLIT_OPS: tuple[str, ...] = (
+    "scaled_dot_product_attention", "cat", "stack", "index_select", "index_copy",
+    "index_copy_", "index_put", "index_put_", "gather", "scatter", "narrow",
+)
+DEFAULT_SPLIT_OPS: tuple[str, ...] = ("scaled_dot_product_attention",)
+# Node targets that are bookkeeping, not work: a piece made only of these is not counted.
+_FREE = {operator.getitem, "view", "reshape", "transpose", "permute", "contiguous", "size",
+         "unsqueeze", "squeeze", "flatten", "expand"}
+
+
+def op_name(node: fx.Node) -> str:
+    """The name an op is known by: ``torch.cat`` -> "cat", ``x.index_copy_`` -> "index_copy_"."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    name = getattr(t, "__name__", "") or str(t)
+    return name.split(".")[-1]
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in value.shape)
+    if isinstance(value, list | tuple):
+        return any(_symbolic(v) for v in value)
+    return False
+
+
+def classify(gm: fx.GraphModule, *, split_ops: Sequence[str], cache_inputs: set[str]
+             ) -> dict[fx.Node, bool]:
+    """For each call node: True if it runs between pieces (see the module docstring)."""
+    ops = set(split_ops)
+    out: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        why = op_name(node) in ops or _symbolic(node.meta.get("example_value"))
+        for arg in node.all_input_nodes:
+            if why:
+                break
+            why = _symbolic(arg.meta.get("example_value")) or (
+                arg.op == "placeholder" and arg.name in cache_inputs)
+        out[node] = bool(why)
+    return out
+
+
+def _tuple_output(gm: fx.GraphModule) -> bool:
+    """Make the piece return a tuple (backends require one); True if it returned one value."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    if isinstance(value, tuple | list):
+        return False
+    out.args = ((value,),)
+    gm.recompile()
+    return True
+
+
+def _is_work(gm: fx.GraphModule) -> bool:
+    return any(n.op.startswith("call") and (n.target not in _FREE and op_name(n) not in _FREE)
+               for n in gm.graph.nodes)
+
+
+def _ops(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
+
+
+class PiecewiseGraph:
+    """One dynamo graph split into pieces; called by dynamo as the compiled graph.
+
+    ``state_for()`` gives the running path's PathPieces (its region graphs and counts).
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 split_ops: Sequence[str], cache_ids: set[int], stable_ids: set[int],
+                 compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
+                 state_for: Callable[[], PathPieces | None]) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        cache_inputs = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
+                        if id(e) in cache_ids}
+        stable = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
+                  if id(e) in stable_ids or isinstance(e, nn.Parameter)}
+        between = classify(gm, split_ops=split_ops, cache_inputs=cache_inputs)
+        part: dict[fx.Node, int] = {}
+        pid, last = 0, None
+        for node, b in between.items():
+            if last is not None and b != last:
+                pid += 1
+            part[node], last = pid, b
+        kinds = {part[n]: b for n, b in between.items()}
+        self.split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+        self.state_for = state_for
+        self.static: list[StaticPiece] = []
+        self.between_ops = 0  # ops a call runs between pieces
+        self.split_ops_seen: list[str] = sorted({op_name(n) for n, b in between.items() if b})
+        for node in self.split.graph.nodes:
+            if node.op != "call_module":
+                continue
+            sub = getattr(self.split, node.target)
+            idx = int(str(node.target).rsplit("_", 1)[1])
+            if kinds.get(idx, True):
+                self.between_ops += _ops(sub)
+                continue
+            stable_pos = [j for j, a in enumerate(node.args)
+                          if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in stable]
+            piece = StaticPiece(len(self.static), sub, stable_pos, compile_piece, self)
+            piece.work = _is_work(sub)
+            self.static.append(piece)
+            setattr(self.split, node.target, piece)
+
+    @property
+    def pieces(self) -> int:
+        """Static pieces that do work (what "pieces" counts in reports)."""
+        return sum(1 for p in self.static if p.work)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.split(*args)
+
+
+class PathPieces:
+    """One region path's view of the pieces: its region graphs and what it counted."""
+
+    def __init__(self, module: nn.Module, capturer: Capturer | None, *, warn: Callable[[str], None],
+                 notes: list[str]) -> None:
+        self.module = module
+        self.capturer = capturer
+        self.warn = warn
+        self.notes = notes
+        self.graphs: dict[int, tuple[RegionGraphs, _PieceCall]] = {}  # id(piece) -> its graphs
+        self.piece_runs = 0  # static pieces run (replayed or not)
+        self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g, _ in self.graphs.values())
+
+    @property
+    def captures(self) -> int:
+        return sum(g.captures for g, _ in self.graphs.values())
+
+    def drop(self, why: str) -> None:
+        for g, _ in self.graphs.values():
+            g.drop(why)
+        self.graphs.clear()
+
+
+class _PieceCall:
+    """What a RegionGraphs calls for one piece and path: the compiled piece with the path's
+    current parameters put back among the copied inputs."""
+
+    def __init__(self, piece: StaticPiece) -> None:
+        self.piece = piece
+        self.stable: list[Any] = []
+        self.ptrs: list[int] = []
+
+    def merge(self, args: Sequence[Any]) -> list[Any]:
+        it, st = iter(args), iter(self.stable)
+        pos = self.piece.stable_set
+        return [next(st) if j in pos else next(it) for j in range(self.piece.arity)]
+
+    def raw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.piece.run(self.merge(args))
+
+    def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        return self.piece.run(self.merge(args)), True
+
+
+class StaticPiece(nn.Module):
+    """A fixed-shape piece: compiled on its first call, replayed from a path's region graphs."""
+
+    def __init__(self, index: int, gm: fx.GraphModule, stable_pos: list[int],
+                 compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
+                 owner: PiecewiseGraph) -> None:
+        super().__init__()
+        self.index = index
+        self.gm = gm
+        self.stable_pos = stable_pos
+        self.stable_set = frozenset(stable_pos)
+        self.arity = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        self._compile = compile_piece
+        self._fn: Callable[..., Any] | None = None
+        self._single = _tuple_output(gm)
+        self.work = True
+        self._owner = [owner]  # a list: not a submodule
+
+    def run(self, args: list[Any]) -> Any:
+        if self._fn is None:
+            self._fn = self._compile(self.gm, list(args))
+        out = self._fn(*args)  # dynamo's calling convention, whatever _boxed_call says
+        return out[0] if self._single else tuple(out)
+
+    def forward(self, *args: Any) -> Any:
+        state = self._owner[0].state_for()
+        if state is None:
+            return self.run(list(args))
+        state.piece_runs += 1
+        if state.capturer is None:
+            return self.run(list(args))
+        entry = state.graphs.get(id(self))
+        if entry is None:
+            call = _PieceCall(self)
+            graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
+                                  warn=state.warn, notes=state.notes)
+            entry = state.graphs[id(self)] = (graphs, call)
+        graphs, call = entry
+        stable = [args[j] for j in self.stable_pos]
+        ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in stable]
+        if ptrs != call.ptrs:  # new or moved parameters: graphs baked the old addresses
+            if call.ptrs:
+                graphs.drop("a piece's parameters or buffers moved")
+            call.stable, call.ptrs = stable, ptrs
+        dynamic = tuple(a for j, a in enumerate(args) if j not in self.stable_set)
+        return graphs(dynamic, {}, call.run_compiled)
+
