@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from surgery.errors import CheckpointError, ManifestError
+from surgery.formats.limits import read_regular
 from surgery.formats.manifest import Manifest, parse_manifest
 from surgery.formats.pickled import (
     _infos_from_state_dict,
@@ -73,16 +74,15 @@ _BAD_INDEX_HINT = "an index is JSON with a 'weight_map' of key -> shard file"
 
 def _load_index(path: str) -> dict[str, Any]:
     """An index file's JSON object, read as untrusted input (bounded size and depth)."""
-    size = _require_file(path)
-    if size > _MAX_INDEX_BYTES:
-        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index ({size} bytes, "
-                              f"more than the {_MAX_INDEX_BYTES} allowed)", path=path,
-                              hint=_BAD_INDEX_HINT)
+    _require_file(path)
     try:
-        with open(path, "rb") as f:
-            index = load_untrusted_json(f.read(), max_bytes=_MAX_INDEX_BYTES,
-                                        max_depth=_MAX_INDEX_DEPTH)
-    except OSError as e:
+        index = load_untrusted_json(read_regular(path, max_bytes=_MAX_INDEX_BYTES),
+                                    max_bytes=_MAX_INDEX_BYTES, max_depth=_MAX_INDEX_DEPTH)
+    except OverflowError as e:
+        raise CheckpointError(f"{path}: not a valid sharded-checkpoint index ({e.args[0]} "
+                              f"bytes, more than the {_MAX_INDEX_BYTES} allowed)", path=path,
+                              hint=_BAD_INDEX_HINT) from None
+    except OSError as e:  # NotRegularFile too: replaced by a FIFO or device after the check
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})", path=path) from None
     except UntrustedJSONError as e:
         raise CheckpointError(f"{path}: not a valid sharded-checkpoint index ({e})", path=path,

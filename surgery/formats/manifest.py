@@ -18,6 +18,7 @@ from typing import Any
 
 from surgery.errors import ManifestError
 from surgery.formats.allowlist import manifest_refusals
+from surgery.formats.limits import NotRegularFile, read_regular
 from surgery.formats.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
 from surgery.formats.safe_write import write_text_atomic
 
@@ -304,29 +305,34 @@ def parse_manifest(text: str, *, path: str | None = None) -> Manifest:
     return m
 
 
-def load_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and validate a manifest file."""
+def read_manifest_file(path: str | os.PathLike[str]) -> str:
+    """A manifest file's text: a regular file, read to its size (never past the bound)."""
     p = os.fspath(path)
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{p}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
-                                    "manifest may hold", path=p,
-                                    hint="a manifest lists module paths; is this the right "
-                                    "file?")
-            raw = f.read()
+        raw = read_regular(p, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ManifestError(f"{p}: no such manifest", path=p,
                             hint="plan one with `surgery plan CHECKPOINT`") from None
+    except NotRegularFile as e:
+        raise ManifestError(f"{e}; a manifest is a file", path=p,
+                            hint="give the path of a .surgery.toml file") from None
+    except OverflowError as e:
+        raise ManifestError(f"{p}: {e.args[0]} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                            "manifest may hold", path=p,
+                            hint="a manifest lists module paths; is this the right file?") from None
     except OSError as e:
         raise ManifestError(f"{p}: cannot read: {e.strerror}", path=p) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ManifestError(f"{p}: not a text file (not UTF-8)", path=p,
                             hint="a manifest is TOML text written by `surgery plan`") from None
-    return parse_manifest(text, path=p)
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a manifest file."""
+    p = os.fspath(path)
+    return parse_manifest(read_manifest_file(p), path=p)
 
 
 def dumps_manifest(manifest: Manifest) -> str:

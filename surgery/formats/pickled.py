@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from surgery.errors import CheckpointError
+from surgery.formats.pickle_bounds import check_loaded_tensors, check_pickle_file
 from surgery.formats.pickle_probe import explain_refusal, plain_types_allowed, probe_format
 from surgery.formats.tensors import TensorInfo, _require_file, normalize_dtype
 
@@ -38,6 +39,7 @@ def torch_load_safely(path: str) -> Any:
     with open(path, "rb") as f:
         head = f.read(512)
     fmt = probe_format(path, head, size)
+    check_pickle_file(path, fmt=fmt, size=size)  # bounded before torch reads it
 
     import torch
 
@@ -88,8 +90,16 @@ def select_state_dict(obj: object, *, path: str, key: str | None = None
                       ) -> tuple[Mapping[str, Any], str | None, list[str], list[str]]:
     """Find the state dict in a loaded object: (state dict, entry used, candidates, ignored).
 
-    `key` chooses an entry; nested entries are written ``outer/inner``.
+    `key` chooses an entry; nested entries are written ``outer/inner``. Its tensors are held to
+    surgery.formats.pickle_bounds (no stride-0 blow-up, no meta or nested tensors).
     """
+    found = _select_state_dict(obj, path=path, key=key)
+    check_loaded_tensors(found[0], path=path)
+    return found
+
+
+def _select_state_dict(obj: object, *, path: str, key: str | None
+                       ) -> tuple[Mapping[str, Any], str | None, list[str], list[str]]:
     if key is not None:
         cur: Any = obj
         for part in key.split("/"):

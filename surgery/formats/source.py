@@ -26,7 +26,7 @@ from surgery.formats.checkpoint import (
     read_embedded_manifest,
     read_embedded_manifest_text,
 )
-from surgery.formats.manifest import Manifest, parse_manifest
+from surgery.formats.manifest import Manifest, parse_manifest, read_manifest_file
 from surgery.formats.tensors import (
     INDEX_SUFFIX,
     PICKLE_SUFFIXES,
@@ -130,16 +130,7 @@ def read_manifest_text(path: str) -> str:
                                 hint="export it with `surgery export --manifest M`, or pass "
                                 "the .surgery.toml")
         return text
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8")
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no such manifest", path=path,
-                            hint="plan one with `surgery plan CHECKPOINT`") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: cannot read it as UTF-8 text ({e.__class__.__name__})",
-                            path=path, hint="a manifest is TOML text written by `surgery plan`"
-                            ) from None
+    return read_manifest_file(path)
 
 
 class Exported(NamedTuple):

@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 import string
 from collections.abc import Mapping
 
 from surgery.errors import CacheKeyError
+from surgery.formats.limits import read_regular
 
 ENV_KEY = "SURGERY_CACHE_KEY"
 ENV_KEY_FILE = "SURGERY_CACHE_KEY_FILE"
@@ -50,14 +52,20 @@ def _decode(raw: bytes, *, where: str) -> bytes:
 
 def _read_key_file(path: str, *, where: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_KEY_FILE_MAX + 1)
-    except OSError as e:
-        raise CacheKeyError(f"cannot read the cache key file {path!r} ({where}): "
-                            f"{e.strerror or type(e).__name__}", hint=_HOW) from None
-    if len(raw) > _KEY_FILE_MAX:
+        raw = read_regular(path, max_bytes=_KEY_FILE_MAX)
+        mode = os.stat(path).st_mode
+    except OverflowError:
         raise CacheKeyError(f"the cache key file {path!r} ({where}) is larger than "
-                            f"{_KEY_FILE_MAX} bytes: not a key", hint=_HOW)
+                            f"{_KEY_FILE_MAX} bytes: not a key", hint=_HOW) from None
+    except OSError as e:  # NotRegularFile too: a FIFO or a device is never read as a key
+        raise CacheKeyError(f"cannot read the cache key file {path!r} ({where}): "
+                            f"{e.strerror or e}", hint=_HOW) from None
+    if mode & stat.S_IWOTH:
+        # Anyone on the machine could replace the key and sign bundles with it.
+        raise CacheKeyError(f"the cache key file {path!r} ({where}) is world-writable, so "
+                            "anyone on this machine could sign bundles with it",
+                            hint=f"chmod 600 {path}, and rotate the key if others could write "
+                            "it")
     return _decode(raw, where=f"{where} {path!r}")
 
 
