@@ -286,7 +286,9 @@ LOAD_SRC = textwrap.dedent('''
 @pytest.mark.slow
 def test_second_process_with_bundle_compiles_less(project) -> None:
     """Process 1: `surgery warm` (fresh cache dir: every compile misses) writes the bundle.
-    Process 2: a fresh, empty cache dir plus the bundle: every compile hits."""
+    Process 2: a fresh, empty cache dir plus the bundle: every compile hits. This is the
+    Mega-Cache part alone (--no-precompile), the fall-back of a torch without the AOT path;
+    tests/test_precompiled.py proves the precompiled part."""
     (project / "load.py").write_text(LOAD_SRC)
     # The project first, then this checkout's surgery (not whichever one is installed).
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,7 +297,8 @@ def test_second_process_with_bundle_compiles_less(project) -> None:
            str(project / "inductor-warm")}
     warm = subprocess.run(
         [sys.executable, "-m", "surgery", "warm", "--model", "warmmod:build", "--manifest",
-         "net.surgery.toml", "--input", "warmmod:example", "--device", "cpu", "--json"],
+         "net.surgery.toml", "--input", "warmmod:example", "--device", "cpu", "--json",
+         "--no-precompile"],
         cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0, warm.stderr[-3000:]
     made = json.loads(warm.stdout)

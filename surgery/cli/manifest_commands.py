@@ -245,9 +245,18 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Factory that builds the model (with its weights or not: shapes matter).")
 @click.option("--manifest", required=True, type=click.Path(dir_okay=False),
               help="The manifest to apply (.surgery.toml, or an export that embeds one).")
-@click.option("--input", "input_spec", required=True, metavar="PKG.MOD:FACTORY",
-              callback=_factory_spec, help="Factory that receives the model and returns its "
-              "example input (e.g. surgery.examples:example_input).")
+@click.option("--step", "step_spec", metavar="PKG.MOD:STEP", callback=_factory_spec,
+              help="The STEP `plan --input` takes: a callable that receives the model and runs "
+              "one step (e.g. surgery.examples:stream_step), run --steps times.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Warm-up passes (default: the manifest's warmup.passes). A streaming model "
+              "needs as many as it takes to show each signature twice.")
+@click.option("--input", "input_spec", metavar="PKG.MOD:FACTORY", callback=_factory_spec,
+              help="The older form: a factory that receives the model and returns its example "
+              "input (e.g. surgery.examples:example_input). Use --step for a STEP.")
+@click.option("--no-precompile", "no_precompile", is_flag=True,
+              help="Leave out the precompiled part (code that loads without dynamo): the "
+              "bundle then holds torch's Mega-Cache only.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where to warm up (default: cuda when available). A bundle is valid only "
               "for this device kind and GPU.")
@@ -265,7 +274,8 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
               "$SURGERY_CACHE_KEY_FILE). Deployment loads only bundles signed with its key.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
 @handle_errors
-def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
+def warm(model_spec: str, manifest: str, step_spec: str | None, steps: int | None,
+         input_spec: str | None, no_precompile: bool, device: str | None,
          dtype: str | None, output: str | None, force: bool, overrides: dict[str, Any],
          key_file: str | None, as_json: bool) -> None:
     """Compile the manifest's regions once and save the compile caches as a bundle.
@@ -279,21 +289,32 @@ def warm(model_spec: str, manifest: str, input_spec: str, device: str | None,
     SURGERY_CACHE_KEY_FILE=cache.key here and where the bundle is loaded.
 
     \b
+    The bundle also holds each region group's code compiled ahead of time (torch 2.10+), which
+    deployment runs without dynamo tracing; without that path it holds the Mega-Cache only.
+
+    \b
     Example:
-      surgery warm --model surgery.examples:tiny --manifest tiny.surgery.toml
-          --input surgery.examples:example_input --device cpu --overrides on_cpu=compile
+      surgery warm --model surgery.examples:tiny_sdpa --manifest tiny.surgery.toml
+          --step surgery.examples:stream_step --steps 4 --device cpu --overrides on_cpu=compile
     """
+    if (step_spec is None) == (input_spec is None):
+        raise click.UsageError("give --step PKG.MOD:STEP (what `plan --input` takes) or the "
+                               "older --input PKG.MOD:FACTORY, exactly one of them")
     from surgery.runtime.warm import warm_start  # imports torch: only `warm` pays for it
 
-    result = warm_start(model_spec, manifest=manifest, input_spec=input_spec, device=device,
-                        dtype=dtype, out=output, force=force, overrides=overrides,
-                        key_file=key_file)
+    result = warm_start(model_spec, manifest=manifest, input_spec=input_spec,
+                        step_spec=step_spec, steps=steps, device=device, dtype=dtype,
+                        out=output, force=force, overrides=overrides, key_file=key_file,
+                        precompile=not no_precompile)
     if as_json:
         emit_json({"bundle": result.bundle.path, "bytes": result.bundle.bytes,
                    "seconds": round(result.seconds, 3), "metadata": result.bundle.metadata,
                    "regions": result.report.counts(),
-                   "cache": vars(result.report.cache) if result.report.cache else None})
+                   "cache": vars(result.report.cache) if result.report.cache else None,
+                   "notes": result.notes})
         return
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
     for line in result.bundle.describe():
         click.echo(line)
     click.echo(f"warm-up: {result.seconds:.1f} s")

@@ -15,6 +15,7 @@ Deployment imports only torch, jsonschema and the manifest reader: no click, no 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -29,12 +30,13 @@ from surgery.errors import CacheBundleError, RegionError
 from surgery.formats.manifest import Manifest, Region
 from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
-from surgery.runtime.cache import SavedBundle, cache_counters, load_bundle, save_bundle
+from surgery.runtime.cache import SavedBundle, cache_counters, save_bundle
 from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
 from surgery.runtime.groups import _Group
 from surgery.runtime.piecewise import PIECEWISE_KIND, PiecewiseGroup, install_piecewise
+from surgery.runtime.precompiled import Loaded, build_section, load_for_apply, report_use
 from surgery.runtime.report import (
     ApplyReport,
     CacheIgnoredWarning,
@@ -83,15 +85,20 @@ class ApplyHandle:
         self.restored = False
         self._overrides: dict[str, Any] = {}  # what a saved cache bundle was compiled with
         self._device = "cpu"
+        self._groups: list[_Group] = []  # what save_cache precompiles
+        self._precompiled: Loaded | None = None  # a loaded bundle's precompiled artifacts
 
     def save_cache(self, path: str | os.PathLike[str] | None = None, *, force: bool = True,
-                   key: bytes | None = None) -> SavedBundle:
+                   key: bytes | None = None, precompile: bool = True) -> SavedBundle:
         """Write this process's compile caches as a bundle bound to the manifest (after warm-up).
 
         ``path`` defaults to ``STEM.surgery.cache`` beside the manifest file (see
         surgery.runtime.bundle). The bundle is signed with ``key``, or the deployer's key from
         the environment (surgery.runtime.signing). The next ``apply_manifest(..., cache=path)``
-        loads it when its signature verifies and it fits.
+        loads it when its signature verifies and it fits. With ``precompile`` (and a torch that
+        has the AOT path), each compiled group and signature seen in warm-up is also compiled
+        ahead of time into the bundle, so that deployment runs it without dynamo
+        (surgery.runtime.precompiled); this traces each of them once more, here.
         """
         if path is None:
             if not self.manifest.source_path:
@@ -100,8 +107,12 @@ class ApplyHandle:
                     "beside", path="", hint="pass a path: handle.save_cache('model.surgery.cache')")
             path = default_bundle_path(self.manifest.source_path)
         target = os.fspath(path)
+        part = None
+        if precompile:
+            section = build_section(self._groups)
+            part = (section.data, section.record())
         saved = save_bundle(target, manifest=self.manifest, overrides=self._overrides,
-                            device=self._device, force=force, key=key)
+                            device=self._device, force=force, key=key, precompiled=part)
         if self.report.cache is None:
             self.report.cache = CacheRecord()
         self.report.cache.saved_to = target
@@ -201,7 +212,9 @@ def apply_manifest(
     dev = _device_of(model, model)
     handle._device = str(dev) if dev.type == "cuda" else dev.type
     if cache is not None and cache is not False:
-        report.cache = _load_cache(handle, cache)
+        report.cache, handle._precompiled = load_for_apply(
+            cache, manifest=m, overrides=handle._overrides, device=handle._device,
+            notes=report.notes)
     state = _HandleState()
     groups: dict[tuple[Any, ...], _Group] = {}
     piecewise_groups: dict[Any, PiecewiseGroup] = {}
@@ -246,10 +259,14 @@ def apply_manifest(
                     mod, name, rec, region, plan, piecewise_groups,
                     _capturer_for(mod) if plan.capture_region else None))
             else:
-                handle._slots.append(_install(mod, name, rec, region, plan, groups, state))
+                handle._slots.append(_install(mod, name, rec, region, plan, groups, state,
+                                              handle._precompiled))
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
+        handle._groups = list(groups.values())
+        if handle._precompiled is not None and report.cache is not None:
+            report_use(handle._precompiled, report.cache, notes=report.notes)
         warn_eager_on_cpu(report)
         if mha and torch.backends.mha.get_fastpath_enabled():
             # Dynamo does not guard on this flag; the fused fastpath would bypass the graph.
@@ -272,26 +289,9 @@ def apply_manifest(
     return handle
 
 
-def _load_cache(handle: ApplyHandle, cache: str | os.PathLike[str] | bool) -> CacheRecord:
-    """Load a compile-cache bundle when it fits; otherwise warn once and say why in the report."""
-    src = handle.manifest.source_path
-    if isinstance(cache, bool):  # True: the bundle beside the manifest file
-        path = default_bundle_path(src) if src else ""
-    else:
-        path = os.fspath(cache)
-    loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
-    if path:
-        loaded, why = load_bundle(path, manifest=handle.manifest, overrides=handle._overrides,
-                                  device=handle._device)
-    if not loaded:
-        handle.report.notes.append(f"compile-cache bundle ignored: {why}")
-        warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
-                      CacheIgnoredWarning, stacklevel=3)
-    return CacheRecord(path or None, loaded, why)
-
-
 def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: CompilePlan,
-             groups: dict[tuple[Any, ...], _Group], state: _HandleState) -> _Slot:
+             groups: dict[tuple[Any, ...], _Group], state: _HandleState,
+             precompiled: Loaded | None = None) -> _Slot:
     own = vars(mod).get(name)
     if getattr(own, "__surgery_slot__", None) is not None:
         raise RegionError(f"region path {rec.path!r} is already compiled by another "
@@ -307,6 +307,8 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
         group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
                                             config_patches=plan.config_patches,
                                             fullgraph=plan.fullgraph, dynamic=plan.dynamic)
+        if precompiled is not None:
+            group.precompiled = precompiled.take(group.identity, target)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,
                  budget=plan.max_signatures, names=parameter_names(eager))
     if plan.dynamic is True:  # already dynamic: its budget counts compiles, not shapes
@@ -316,6 +318,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
         slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
                                    notes=rec.notes)
+        slot.graphs.ready = functools.partial(group.ready_for, slot)
     slot.check = signature_check(region.evidence, rec.path, eager)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)

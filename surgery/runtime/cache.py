@@ -52,12 +52,17 @@ from surgery.errors import (
 )
 from surgery.formats.manifest import Manifest
 from surgery.runtime.bundle import (
+    FORMAT_PRECOMPILED,
     FORMAT_VERSION,
+    PRECOMPILED_KEY,
     _canonical,
+    count_entries,
     manifest_key,
     mismatches,
     one_line,
+    parse_precompiled,
     read_bundle,
+    split_blob,
     write_bundle,
 )
 from surgery.runtime.bundle_env import ENV_KEYS, environment, environment_without_torch
@@ -87,34 +92,61 @@ def _api_missing() -> str | None:
     return None
 
 
+@dataclass
+class OpenedBundle:
+    """What `open_bundle` made of a bundle: whether its Mega-Cache part went to torch, why (or
+    what it held), and its precompiled artifacts (group identity -> signature text -> bytes),
+    which exist only when the bundle verified with the deployer's key and fits."""
+
+    loaded: bool
+    reason: str
+    precompiled: dict[str, dict[str, bytes]]
+
+
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
                 device: str) -> tuple[bool, str]:
-    """Hand the bundle to ``torch.compiler.load_cache_artifacts`` if, and only if, it is signed
-    with the deployer's key (surgery.runtime.signing) and fits this manifest and machine.
+    """`open_bundle`'s (loaded, one-line reason), for callers that want the Mega-Cache only."""
+    opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
+    return opened.loaded, opened.reason
 
-    Returns (loaded, one-line reason). Never raises for a bad bundle: the caller compiles as
-    usual. No byte of the bundle reaches torch unless every check passed.
+
+def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
+                device: str) -> OpenedBundle:
+    """Hand the bundle's Mega-Cache part to ``torch.compiler.load_cache_artifacts``, and return
+    its precompiled part, if, and only if, it is signed with the deployer's key
+    (surgery.runtime.signing) and fits this manifest and machine.
+
+    Never raises for a bad bundle: the caller compiles as usual. No byte of the bundle reaches
+    torch, or the caller, unless every check passed.
     """
     try:
-        blob, why = _admit(path, manifest=manifest, overrides=overrides, device=device)
+        parts, why = _admit(path, manifest=manifest, overrides=overrides, device=device)
     except Exception as e:  # a bundle must never stop a deployment, whatever is in it
-        return False, one_line(f"{path}: unreadable ({type(e).__name__})")
-    if blob is None:
-        return False, one_line(why)
+        return OpenedBundle(False, one_line(f"{path}: unreadable ({type(e).__name__})"), {})
+    if parts is None:
+        return OpenedBundle(False, one_line(why), {})
+    blob, precompiled = parts
     import torch
 
     try:
         info = torch.compiler.load_cache_artifacts(blob)
     except Exception as e:  # torch's own deserialiser: any failure means "compile as usual"
-        return False, one_line(f"{path}: torch could not load it ({type(e).__name__}: {e})")
+        return OpenedBundle(False, one_line(f"{path}: torch could not load it "
+                                            f"({type(e).__name__}: {e})"), {})
     if info is None:
-        return False, f"{path}: torch could not deserialise the blob (see its log above)"
-    return True, f"{path}: {_describe(_artifact_counts(info))}"
+        return OpenedBundle(False, f"{path}: torch could not deserialise the blob (see its log "
+                            "above)", {})
+    counts = _artifact_counts(info)
+    n = sum(len(v) for v in precompiled.values())
+    if n:
+        counts["precompiled"] = n
+    return OpenedBundle(True, f"{path}: {_describe(counts)}", precompiled)
 
 
 def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-           device: str) -> tuple[bytes | None, str]:
-    """(blob, "") when the bundle may be loaded, else (None, why)."""
+           device: str) -> tuple[tuple[bytes, dict[str, dict[str, bytes]]] | None, str]:
+    """((Mega-Cache part, precompiled artifacts), "") when the bundle may be loaded, else
+    (None, why)."""
     missing = _api_missing()
     if missing:
         return None, missing
@@ -127,7 +159,9 @@ def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None
                      overrides=overrides or {}, env=environment(device=device))
     if why:
         return None, f"{path} does not fit: " + "; ".join(why)
-    return blob, ""
+    assert blob is not None
+    megacache, section = split_blob(meta, blob)  # read_bundle checked both parts
+    return (megacache, parse_precompiled(meta, section)), ""
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:
@@ -149,8 +183,13 @@ class SavedBundle:
 
     def describe(self) -> list[str]:
         env = self.metadata["env"]
+        n = count_entries(self.metadata)
+        pre = self.metadata.get(PRECOMPILED_KEY) or {}
         return [f"wrote {self.path} ({self.bytes / 1e6:.2f} MB; "
-                f"{_describe(self.metadata['artifacts'])})",
+                f"{_describe(self.metadata['artifacts'])}"
+                + (f"; {n} precompiled region artifact(s), loaded without dynamo" if n else "")
+                + ")",
+                *(f"not precompiled: {note}" for note in pre.get("notes", [])[:8]),
                 "valid for: " + ", ".join(f"{k} {env.get(k)}" for k in ENV_KEYS),
                 f"manifest fingerprint {self.metadata['manifest']['fingerprint']}",
                 f"compile options {json.dumps(self.metadata['compile'], sort_keys=True)}" +
@@ -172,12 +211,16 @@ def bundle_metadata(manifest: Manifest, *, overrides: Mapping[str, Any] | None,
 
 
 def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-                device: str, force: bool = True, key: bytes | None = None) -> SavedBundle:
+                device: str, force: bool = True, key: bytes | None = None,
+                precompiled: tuple[bytes, dict[str, Any]] | None = None) -> SavedBundle:
     """Serialise this process's compile caches into a bundle bound to ``manifest``, signed with
     ``key`` (default: the deployer's key from the environment, surgery.runtime.signing).
 
     torch records every artifact compiled (or loaded from a cache) in this process, so call it
-    after warm-up, in a process that compiled this model only.
+    after warm-up, in a process that compiled this model only. ``precompiled`` is the
+    precompiled part and its record (surgery.runtime.precompiled.Section): with it the bundle
+    is written in format 3 (surgery.runtime.bundle), even when the record lists no
+    artifact (its notes say why).
     """
     import torch
 
@@ -199,6 +242,11 @@ def save_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
     blob, info = saved
     meta = bundle_metadata(manifest, overrides=overrides, env=environment(device=device),
                            artifacts=_artifact_counts(info))
+    if precompiled is not None:
+        section, record = precompiled
+        meta["format"] = FORMAT_PRECOMPILED
+        meta[PRECOMPILED_KEY] = record
+        blob = blob + section
     size = write_bundle(path, blob, meta, key=key, force=force)
     meta["blob"] = {"bytes": len(blob)}
     return SavedBundle(path, size, meta)

@@ -9,6 +9,7 @@ recompile limit are its own.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery.runtime.budget import Signature, fresh_function
+from surgery.runtime.budget import Signature, call_signature, fresh_function
+from surgery.runtime.precompiled import Artifact, Example, group_identity, signature_text
 
 # A slot here is surgery.runtime.slots._Slot, typed Any: slots imports this module, and the
 # import stays one-way.
@@ -97,6 +99,14 @@ class _Group:
     sigs: set[Signature] = field(default_factory=set)  # static signatures compiled here
     sig_list: list[Signature] = field(default_factory=list)  # the same, in order (explaining)
     _dynamic_sibling: _Group | None = None
+    # Precompiled code (surgery.runtime.precompiled): what an artifact must match, one example
+    # per static signature (module, Example or None) to build artifacts from, and the loaded
+    # artifacts by signature text.
+    identity: str | None = None
+    examples: dict[Signature, tuple[nn.Module, Example | None]] = field(default_factory=dict)
+    precompiled: dict[str, Artifact] = field(default_factory=dict)
+    _by_sig: dict[Signature, Artifact | None] = field(default_factory=dict)
+    _guards_failed: set[tuple[int, Signature]] = field(default_factory=set)
 
     @classmethod
     def create(cls, target: Callable[..., Any], *, bound: bool, backend: str,
@@ -105,11 +115,54 @@ class _Group:
         counting = _CountingBackend(backend, config_patches)
         compiled = torch.compile(fresh_function(target), backend=counting, fullgraph=fullgraph,
                                  dynamic=dynamic)
-        return cls(compiled, counting, bound, target, fullgraph, dynamic)
+        group = cls(compiled, counting, bound, target, fullgraph, dynamic)
+        # torch's AOT path traces whole graphs: a function with a graph break is left to the
+        # Mega-Cache part when the bundle is built (surgery.runtime.precompiled).
+        group.identity = group_identity(target, json.dumps(
+            [backend, config_patches, fullgraph, dynamic], sort_keys=True, default=str))
+        return group
 
-    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             sig: Signature | None = None) -> Any:
+        """Run the compiled code: the precompiled artifact of ``sig`` when there is one and
+        torch's guards pass for this call, else the torch.compile-d callable (dynamo)."""
+        if sig is not None and sig not in self.examples:
+            self.record_example(sig, module, args, kwargs)  # to precompile it in a bundle
+        if sig is not None and self.precompiled:
+            art = self.artifact(sig)
+            if art is not None and (id(module), sig) not in self._guards_failed:
+                ok, out = art.try_call((module, *args) if self.bound else args, kwargs)
+                if ok:
+                    slot = _active_slot()
+                    if slot is not None:
+                        slot.record.graphs_run += 1
+                        slot.record.precompiled_runs += 1
+                    return out
+                self._guards_failed.add((id(module), sig))
         return self.compiled(module, *args, **kwargs) if self.bound else \
             self.compiled(*args, **kwargs)
+
+    def artifact(self, sig: Signature) -> Artifact | None:
+        """The loaded artifact for this signature, if the bundle held one."""
+        if sig not in self._by_sig:
+            self._by_sig[sig] = self.precompiled.get(signature_text(sig))
+        return self._by_sig[sig]
+
+    def ready_for(self, slot: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether this call of ``slot`` (a path of this group) runs code precompiled in a
+        bundle, whose guards have not failed for its module: nothing compiles in it, so its CUDA
+        graph may be captured on this first call (surgery.runtime.graphs.replay)."""
+        if not self.precompiled or slot.mode != "compiled":
+            return False
+        sig = call_signature(slot.names, slot.module, args, kwargs)
+        return (slot.dyn is None or sig in slot.sigs) and self.artifact(sig) is not None and \
+            (id(slot.module), sig) not in self._guards_failed
+
+    def record_example(self, sig: Signature, module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+        """Keep the layout (never the tensors) of a signature's first call, to precompile it."""
+        if self.identity is not None and sig not in self.examples:
+            self.examples[sig] = (module, Example.of(args, kwargs))
 
     def capacity(self) -> int:
         """How many signatures its code object's dynamo cache holds before dynamo gives up."""

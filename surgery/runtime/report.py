@@ -61,6 +61,7 @@ class RegionRecord:
     # (capture = "region"), which skip the compiled code's Python entirely.
     compiled_runs: int = 0  # executions of torch.compile-d graphs (old name: graphs_run)
     compiles: int = 0  # graphs compiled while this path ran
+    precompiled_runs: int = 0  # compiled runs of code loaded precompiled from a bundle
     recompiles: int = 0  # compiles after its compiled callable had already run once
     graphs_captured: int = 0  # CUDA graphs surgery captured for this path (capture = "region")
     cuda_graph_replays: int = 0  # calls answered by replaying one (old name: graph_replays)
@@ -242,6 +243,8 @@ class CacheRecord:
     reason: str = ""
     saved_to: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    precompiled: int = 0  # artifacts loaded precompiled (surgery.runtime.precompiled)
+    precompiled_unused: int = 0  # artifacts of the bundle no region group matched (stale)
 
     def line(self) -> str:
         c = self.counts
@@ -255,4 +258,7 @@ class CacheRecord:
             state = "compile cache: no bundle given"
         else:
             state = f"compile cache: {'loaded' if self.loaded else 'ignored'} ({self.reason})"
-        return state + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")
+        pre = (f"; {self.precompiled} precompiled artifact(s) installed (no dynamo trace)"
+               if self.precompiled else "") + (
+            f", {self.precompiled_unused} stale" if self.precompiled_unused else "")
+        return state + pre + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")

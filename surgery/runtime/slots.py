@@ -132,7 +132,7 @@ class _Slot:
             stack = _ACTIVE.stack = []
         stack.append(self)
         try:
-            out = g.call(self.module, args, kwargs)
+            out = g.call(self.module, args, kwargs, sig if g is self.group else None)
         except Exception as exc:
             stack.pop()
             try:
@@ -161,11 +161,9 @@ class _Slot:
 
     def raw_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The compiled callable itself, outside the accounting (what a capture records)."""
-        g = self.group
-        if self.dyn is not None and \
-                call_signature(self.names, self.module, args, kwargs) not in self.sigs:
-            g = self.dyn
-        return g.call(self.module, args, kwargs)
+        sig = call_signature(self.names, self.module, args, kwargs)
+        g = self.dyn if self.dyn is not None and sig not in self.sigs else self.group
+        return g.call(self.module, args, kwargs, sig if g is self.group else None)
 
     # --- the signature budget ------------------------------------------------------------------
 

@@ -1,6 +1,10 @@
 """`surgery warm`: build the model, apply its manifest, warm up, and save the compile-cache bundle.
 
-The bundle's format and its checks live in surgery.runtime.cache; this is the command's work.
+The bundle's format and its checks live in surgery.runtime.cache and surgery.runtime.bundle, its
+precompiled part in surgery.runtime.precompiled; this is the command's work. Warm-up runs either
+a STEP, the same callable ``surgery plan --input`` takes (it receives the model and runs one
+step: a streaming model shows every signature only over several steps), ``steps`` times; or, the
+older form, the model called on what an example-input factory returns.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from surgery.errors import CacheBundleError, CheckpointError, ModelSourceError, OutputExistsError
@@ -23,12 +27,17 @@ from surgery.runtime.cache import SavedBundle
 from surgery.runtime.resolve import resolve_manifest
 from surgery.runtime.signing import require_key
 
+# What `warm --input` says since `--step` exists: the two commands' --input differ.
+OLD_INPUT_NOTE = ("--input here names an example-input factory (the older form, still "
+                  "supported); `surgery plan --input` takes a STEP, and so does `warm --step`")
+
 
 @dataclass
 class WarmResult:
     bundle: SavedBundle
     report: Any  # the ApplyReport of the warm-up
     seconds: float  # apply + warm-up
+    notes: list[str] = field(default_factory=list)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -77,21 +86,36 @@ def _refuse_overwriting_inputs(target: str, inputs: list[str]) -> None:
                                   "manifest, as STEM.surgery.cache); inputs are never modified")
 
 
-def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str | None = None,
-               dtype: str | None = None, out: str | None = None, force: bool = False,
-               overrides: Mapping[str, Any] | None = None, key_file: str | None = None
-               ) -> WarmResult:
-    """Build the model, apply the manifest, warm up with the example input, save the bundle.
+def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
+               step_spec: str | None = None, steps: int | None = None,
+               device: str | None = None, dtype: str | None = None, out: str | None = None,
+               force: bool = False, overrides: Mapping[str, Any] | None = None,
+               key_file: str | None = None, precompile: bool = True) -> WarmResult:
+    """Build the model, apply the manifest, warm up, save the bundle.
 
     The bundle is signed with the deployer's key (``key_file``, else $SURGERY_CACHE_KEY or
     $SURGERY_CACHE_KEY_FILE: surgery.runtime.signing); without one nothing is compiled and a
     CacheKeyError says how to make one. The output may not be any file this command reads.
 
-    ``input_spec`` names a factory that receives the model and returns its input (a tensor,
-    a tuple of positional arguments or a dict of keyword arguments). Warm-up runs under
-    ``torch.no_grad()``, as inference does: grad mode is part of what dynamo guards on.
+    Exactly one of ``step_spec`` and ``input_spec``. ``step_spec`` names a STEP, a callable
+    that receives the model and runs one step (what ``surgery plan --input`` takes); it runs
+    ``steps`` times (default: the manifest's ``warmup.passes``). ``input_spec`` names a factory
+    that receives the model and returns its input (a tensor, a tuple of positional arguments or
+    a dict of keyword arguments), the older form. Warm-up runs under ``torch.no_grad()``, as
+    inference does: grad mode is part of what dynamo guards on. With ``precompile`` the
+    bundle also holds each group's code compiled ahead of time (surgery.runtime.precompiled).
     """
     import torch
+
+    if (step_spec is None) == (input_spec is None):
+        raise ModelSourceError("give either a STEP (--step PKG.MOD:STEP) or an example-input "
+                               "factory (--input PKG.MOD:FACTORY), not both or neither",
+                               hint="--step surgery.examples:stream_step runs one streaming "
+                                    "step per warm-up pass")
+    if steps is not None and steps < 1:
+        raise ModelSourceError(f"--steps {steps}: at least one warm-up step is needed",
+                               hint="use --steps 2 or more (a CUDA graph is captured on a "
+                                    "signature's second call)")
 
     m = resolve_manifest(manifest)
     target = out or default_bundle_path(m.source_path or manifest)
@@ -105,9 +129,10 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
                                path=target, hint="run on a GPU machine, or pass --device cpu")
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     factory = load_factory(model_spec)
-    make_input: Callable[[Any], Any] = load_factory(input_spec)
+    driver: Callable[[Any], Any] = _load_driver(step_spec or input_spec or "", step=bool(
+        step_spec))
     _refuse_overwriting_inputs(target, _inputs(manifest, key_file=key_file,
-                                               factories=[factory, make_input]))
+                                               factories=[factory, driver]))
     try:
         model = factory()
     except Exception as e:  # the user's factory may fail in any way
@@ -117,7 +142,16 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
                                hint="make the factory build the model without arguments"
                                ) from None
     model = model.to(device=dev, dtype=dtypes[dtype] if dtype else None).eval()
-    example = make_input(model)
+    notes: list[str] = []
+    if step_spec is not None:
+        def warmup(mod: Any) -> Any:
+            return driver(mod)
+    else:
+        notes.append(OLD_INPUT_NOTE)
+        example = driver(model)
+
+        def warmup(mod: Any) -> Any:
+            return _call_with(mod, example)
     # torch records every artifact of the process; the bundle should hold this model's only.
     try:
         from torch.compiler._cache import CacheArtifactManager
@@ -127,8 +161,7 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
         pass
     started = time.perf_counter()
     with torch.no_grad():
-        handle = apply_manifest(model, m, warmup=lambda mod: _call_with(mod, example),
-                                overrides=overrides)
+        handle = apply_manifest(model, m, warmup=warmup, overrides=overrides, passes=steps)
     seconds = time.perf_counter() - started
     if not handle.report.with_status("compiled"):
         handle.restore()
@@ -139,7 +172,19 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str, device: str |
             path=target, hint="on the CPU, CUDA-graph regions run eager: pass --overrides "
             "on_cpu=compile (and the same overrides to apply_manifest), or warm up on the GPU")
     try:
-        saved = handle.save_cache(target, force=force, key=key)
+        saved = handle.save_cache(target, force=force, key=key, precompile=precompile)
     finally:
         handle.restore()
-    return WarmResult(saved, handle.report, seconds)
+    return WarmResult(saved, handle.report, seconds, notes)
+
+
+def _load_driver(spec: str, *, step: bool) -> Callable[[Any], Any]:
+    """The STEP (``--step``) or the example-input factory (``--input``), named by its flag."""
+    flag = "--step" if step else "--input"
+    try:
+        return load_factory(spec)  # type: ignore[no-any-return]
+    except ModelSourceError as e:
+        raise ModelSourceError(str(e).replace("--model", flag, 1),
+                               hint="name a callable that takes the model and runs one step, "
+                               "e.g. --step surgery.examples:stream_step" if step else e.hint
+                               ) from None

@@ -10,9 +10,11 @@ captures the compiled code itself; a replay costs a signature check, one copy pe
 The contract, which is what makes that safe:
 
 - **When.** A graph is captured on the second call with the same signature (the first one
-  compiles and autotunes outside any capture), only with CUDA, with grad disabled (``no_grad`` or
-  ``inference_mode``), and when every input is a tensor on the region's device, a Python scalar,
-  ``None``, or a tuple or list of these. Anything else runs the compiled code, unchanged.
+  compiles and autotunes outside any capture), or on the first when ``ready`` says that call
+  compiles nothing (code precompiled in a bundle: surgery.runtime.precompiled), only with CUDA,
+  with grad disabled (``no_grad`` or ``inference_mode``), and when every input is a tensor on
+  the region's device, a Python scalar, ``None``, or a tuple or list of these. Anything else
+  runs the compiled code, unchanged.
 - **What is checked before each replay.** The signature: every tensor's shape, strides, dtype and
   device, every scalar's value, the module's ``training`` flag, inference mode and autocast. The
   *addresses* of the region module's parameters, buffers and tensor attributes, and its children:
@@ -98,6 +100,8 @@ class RegionGraphs:
         self.output_sets = 0  # the most output sets any signature needed
         self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
         self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
+        # ready(args, kwargs): True when the call compiles nothing, so its first call captures.
+        self.ready: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
         if outputs._use_count is None:
             self.disabled = NO_USE_COUNT
             self.notes.append(NO_USE_COUNT)
@@ -131,7 +135,8 @@ class RegionGraphs:
             return self._replay(sig, cap, tensors, args, kwargs, run_compiled)
         n = self.seen[sig] = self.seen.get(sig, 0) + 1
         room = len(self.graphs) < MAX_GRAPHS_PER_PATH
-        probe = WriteProbe(tensors) if n >= 2 and room else None
+        early = n == 1 and room and self.ready is not None and self.ready(args, kwargs)
+        probe = WriteProbe(tensors) if (n >= 2 or early) and room else None
         out, ran = run_compiled(args, kwargs)
         if ran and n == 2 and not room:
             self.notes.append(f"a signature beyond the first {MAX_GRAPHS_PER_PATH} runs "

@@ -1,0 +1,352 @@
+"""Precompiled regions: compiled code that runs without dynamo, carried inside the signed bundle.
+
+Why. A Mega-Cache bundle (surgery.runtime.cache) fills inductor's caches, but the deploying
+process still runs dynamo over every region, and the artifacts are still looked up by key: on a
+LingBot-Map size model that left the warm start at half of the cold one (issue 23). torch 2.10+
+compiles a function ahead of time: ``torch.compile(fn, fullgraph=True).aot_compile((args,
+kwargs))`` traces and compiles once and returns a callable whose guards, dynamo-rewritten
+bytecode and compiled code (AOTAutograd + inductor) serialise to bytes, and
+``torch.compiler.load_compiled_function`` turns the bytes back into that callable without
+tracing anything. This module uses that path; on a torch without it the bundle holds the
+Mega-Cache part only, and says so.
+
+What is precompiled. Per compiled group (one function and one set of compile options,
+surgery.runtime.groups) and per static signature the group compiled, one artifact, made when
+the bundle is saved. The call is made again from an *example* recorded at the first call of
+that signature: each tensor's shape, strides, dtype, device and flags; scalars, strings and None
+by value; tuples, lists and dicts of these; grad, inference and autocast modes. No tensor is
+kept. A signature holding any other object, a dynamic compile, and a backend whose compiled
+code torch cannot serialise (cudagraphs, eager) are left to the Mega-Cache part, with a note.
+
+How it is matched. An artifact names its group by identity: the function's module and
+qualname, the sha256 of its code object (``marshal``), and the compile options; and its
+signature by text (the repr of surgery.runtime.budget.call_signature). A group whose identity
+differs (the code changed since the bundle was built) uses none of them and compiles with dynamo;
+artifacts no group used are reported stale, in one warning.
+
+How it runs. The loaded callable is installed in its group. A call whose signature has an
+artifact runs it once torch's own guards pass for that call (``guard_check``); when they do not,
+the call goes to dynamo, as without a bundle. Counting, the signature budget, fallback to eager,
+CUDA-graph capture and restore stay those of surgery.runtime.slots; a region graph may be
+captured from the first call, since nothing compiles in it (surgery.runtime.graphs.replay).
+
+Trust. An artifact is code (a pickle of bytecode and kernels). Its bytes exist in memory only
+from a bundle whose HMAC verified with the deployer's key (surgery.runtime.bundle), and reach
+torch only after the bundle fits this manifest and machine (surgery.runtime.cache). The index is
+the key holder's, yet every field is checked (types, bounds, counts) so that a builder's bug
+becomes an ignored bundle, never an exception in a deployment.
+
+Layout (inside the blob of a format-3 bundle): the artifacts back to back, after the Mega-Cache
+part; surgery.runtime.bundle describes the record that indexes them and checks it
+without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import marshal
+import os
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from surgery.formats.manifest import Manifest
+from surgery.runtime.budget import fresh_function
+from surgery.runtime.bundle import PRECOMPILED_FORMAT, default_bundle_path, one_line
+from surgery.runtime.cache import open_bundle
+from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
+
+# Backends whose compiled code torch serialises (inductor, and AOTAutograd-based ones).
+SERIALISABLE_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+_MAX_DEPTH = 4
+
+
+def api_missing() -> str | None:
+    """Why this torch cannot precompile (None: it can)."""
+    if not hasattr(torch.compiler, "load_compiled_function") or \
+            not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return (f"torch {torch.__version__} has no torch.compile(...).aot_compile / "
+                "torch.compiler.load_compiled_function (torch 2.10+): the bundle holds the "
+                "Mega-Cache part only, and dynamo traces every region at deploy time")
+    return None
+
+
+def group_identity(target: Callable[..., Any], options: str) -> str | None:
+    """What an artifact must match to serve a group: function, its code and compile options.
+
+    None for a target that is not a plain Python function (a builtin, a callable object):
+    those are not precompiled.
+    """
+    if not isinstance(target, types.FunctionType):
+        return None
+    code = hashlib.sha256(marshal.dumps(target.__code__)).hexdigest()
+    return json.dumps([target.__module__, target.__qualname__, f"sha256:{code}", options])
+
+
+def signature_text(sig: Any) -> str:
+    """The signature as the text an index stores (reprs of shapes, dtypes and flags)."""
+    return repr(sig)
+
+
+# --- examples: enough to make a call of the same signature again, without its tensors ---------
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+_NOT_EXAMPLE = object()
+
+
+def _spec(obj: Any, depth: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.layout != torch.strided or (type(obj) is not torch.Tensor and \
+                not isinstance(obj, torch.nn.Parameter)):
+            return _NOT_EXAMPLE
+        return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
+                           obj.requires_grad)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if depth < _MAX_DEPTH and isinstance(obj, (tuple, list)) and \
+            (type(obj) in (tuple, list)):
+        items = [_spec(o, depth + 1) for o in obj]
+        return _NOT_EXAMPLE if any(i is _NOT_EXAMPLE for i in items) else type(obj)(items)
+    if depth < _MAX_DEPTH and type(obj) is dict and all(isinstance(k, str) for k in obj):
+        out = {k: _spec(v, depth + 1) for k, v in obj.items()}
+        return _NOT_EXAMPLE if any(v is _NOT_EXAMPLE for v in out.values()) else out
+    return _NOT_EXAMPLE
+
+
+def _build(spec: Any, gen: torch.Generator) -> Any:
+    if isinstance(spec, _TensorSpec):
+        t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+        if t.is_floating_point() or t.is_complex():
+            t.normal_(generator=gen if t.device.type == "cpu" else None)
+        else:
+            t.zero_()
+        return t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(_build(s, gen) for s in spec)
+    if isinstance(spec, dict):
+        return {k: _build(v, gen) for k, v in spec.items()}
+    return spec
+
+
+@dataclass(frozen=True)
+class Example:
+    """A call's layout and modes (no tensor data), to trace the same signature again."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast on
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Example | None:
+        """The example of this call, or None when it holds something other than tensors,
+        scalars, strings, None and plain containers of them."""
+        a = _spec(tuple(args), 0)
+        k = _spec(dict(kwargs), 0)
+        if a is _NOT_EXAMPLE or k is _NOT_EXAMPLE:
+            return None
+        autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                         if torch.is_autocast_enabled(d))
+        return cls(a, k, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+    @contextlib.contextmanager
+    def modes(self) -> Iterator[None]:
+        """The grad, inference and autocast modes of the recorded call."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(self.inference) if self.inference
+                                else torch.set_grad_enabled(self.grad))
+            for dev, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            yield
+
+    def build(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fresh tensors of the recorded layout (random values: tracing needs no real data).
+        Call inside ``modes()``, so that they are inference tensors when the call's were."""
+        gen = torch.Generator().manual_seed(0)
+        return _build(self.args, gen), _build(self.kwargs, gen)
+
+
+# --- saving ------------------------------------------------------------------------------------
+
+@dataclass
+class Section:
+    """The precompiled part of a bundle: the artifacts' bytes and the record that indexes them."""
+
+    data: bytes
+    entries: list[dict[str, Any]]
+    notes: list[str]
+
+    def record(self) -> dict[str, Any]:
+        return {"format": PRECOMPILED_FORMAT, "bytes": len(self.data), "entries": self.entries,
+                "notes": self.notes}
+
+
+def _compile_options(group: Any) -> tuple[str, dict[str, Any]]:
+    backend = group.backend.backend
+    patches = group.backend.config_patches
+    if backend == "inductor":
+        return backend, {"options": dict(patches)} if patches else {}
+    return backend, {}
+
+
+def precompile_one(group: Any, module: Any, example: Example) -> bytes:
+    """Trace and compile the group's function for one example, ahead of time; its bytes."""
+    backend, extra = _compile_options(group)
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(fresh_function(group.target), backend=backend, fullgraph=True,
+                                 dynamic=group.dynamic, **extra)
+    with example.modes():
+        args, kwargs = example.build()
+        full = (module, *args) if group.bound else args
+        fn = compiled.aot_compile((full, kwargs))
+    saved = type(fn).serialize(fn)
+    return bytes(saved.serialized_data)
+
+
+def build_section(groups: Iterable[Any]) -> Section:
+    """Precompile every (group, static signature) with an example; what could not be, in notes.
+
+    ``groups``: surgery.runtime.groups._Group objects that ran (their ``examples`` map a
+    signature to (module, Example), recorded by surgery.runtime.slots on its first call).
+    """
+    notes: list[str] = []
+    missing = api_missing()
+    if missing:
+        return Section(b"", [], [missing])
+    data = bytearray()
+    entries: list[dict[str, Any]] = []
+    for g in groups:
+        if g.identity is None or g.dynamic is True or g.failed is not None:
+            continue
+        backend = g.backend.backend
+        if backend not in SERIALISABLE_BACKENDS:
+            notes.append(f"backend {backend!r} is not precompiled (torch serialises only "
+                         f"{', '.join(SERIALISABLE_BACKENDS)}); {g.target.__qualname__} uses "
+                         "the Mega-Cache part")
+            continue
+        for sig, (module, example) in g.examples.items():
+            if example is None:
+                notes.append(f"{g.target.__qualname__}: a signature with an argument other "
+                             "than tensors and scalars is not precompiled")
+                continue
+            try:
+                blob = precompile_one(g, module, example)
+            except Exception as e:  # torch's experimental path: the Mega-Cache part remains
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                notes.append(f"{g.target.__qualname__}: not precompiled "
+                             f"({type(e).__name__}: {first})")
+                continue
+            entries.append({"group": g.identity, "signature": signature_text(sig),
+                            "offset": len(data), "bytes": len(blob)})
+            data += blob
+    return Section(bytes(data), entries, notes)
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+class Artifact:
+    """One loaded artifact: torch's AOT-compiled callable, called after its guards pass."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        # The compiled callable itself, past the guard check torch's __call__ repeats.
+        self._run: Callable[..., Any] = getattr(fn, "fn", fn)
+
+    def try_call(self, full: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """(True, output) when torch's guards pass for this call, else (False, None)."""
+        if not self.fn.guard_check(*full, **kwargs):
+            return False, None
+        return True, self._run(*full, **kwargs)
+
+
+@dataclass
+class Loaded:
+    """The artifacts of a bundle that verified and fits, handed out to groups as they install."""
+
+    entries: dict[str, dict[str, bytes]]
+    used: set[str] = field(default_factory=set)
+    loaded: int = 0
+    failed: str = ""  # why an artifact could not be loaded (the first one)
+
+    def take(self, identity: str | None, target: Callable[..., Any]) -> dict[str, Artifact]:
+        """The loaded artifacts for a group (signature text -> Artifact); {} when none fit.
+
+        An artifact torch cannot load makes the whole group compile with dynamo; the first
+        such failure is kept in ``failed`` for the one warning.
+        """
+        if identity is None or identity not in self.entries or identity in self.used:
+            return {}
+        self.used.add(identity)
+        out: dict[str, Artifact] = {}
+        for sig, data in self.entries[identity].items():
+            try:
+                fn = torch.compiler.load_compiled_function(
+                    io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
+            except Exception as e:  # torch's deserialiser, or its compatibility check
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                self.failed = self.failed or (f"{getattr(target, '__qualname__', target)}: "
+                                              f"{type(e).__name__}: {first}")
+                return {}
+            out[sig] = Artifact(fn)
+        self.loaded += len(out)
+        return out
+
+    def unused(self) -> int:
+        """Artifacts of groups that no installed group matched (stale code or options)."""
+        return sum(len(v) for k, v in self.entries.items() if k not in self.used)
+
+
+# --- apply_manifest(..., cache=...) -------------------------------------------------------------
+
+def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
+                   overrides: Mapping[str, Any], device: str, notes: list[str]
+                   ) -> tuple[CacheRecord, Loaded | None]:
+    """Load a compile-cache bundle when it verifies and fits: its Mega-Cache part into torch's
+    caches, and its precompiled part for the groups to take as they install. Otherwise warn
+    once, say why in ``notes``, and return no artifacts."""
+    src = manifest.source_path
+    if isinstance(cache, bool):  # True: the bundle beside the manifest file
+        path = default_bundle_path(src) if src else ""
+    else:
+        path = os.fspath(cache)
+    loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
+    pre = None
+    if path:
+        opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
+        loaded, why = opened.loaded, opened.reason
+        pre = Loaded(opened.precompiled) if opened.precompiled else None
+    if not loaded:
+        notes.append(f"compile-cache bundle ignored: {why}")
+        warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
+                      CacheIgnoredWarning, stacklevel=3)
+    return CacheRecord(path or None, loaded, why), pre
+
+
+def report_use(pre: Loaded, record: CacheRecord, *, notes: list[str]) -> None:
+    """Say how much precompiled code the groups took; warn once about what of it could not be
+    used (torch could not load it, or no group has its code and options: stale)."""
+    record.precompiled, record.precompiled_unused = pre.loaded, pre.unused()
+    problems = ([f"torch could not load one ({pre.failed})"] if pre.failed else []) + (
+        [f"{pre.unused()} artifact(s) match no region group here (its code or compile options "
+         "changed since the bundle was built)"] if pre.unused() else [])
+    if problems:
+        why = one_line("; ".join(problems))
+        notes.append(f"precompiled code in the bundle partly ignored: {why}")
+        warnings.warn(f"surgery: precompiled code in the bundle partly ignored, those groups "
+                      f"compile with dynamo: {why}", CacheIgnoredWarning, stacklevel=3)
