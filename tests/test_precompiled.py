@@ -1,0 +1,485 @@
+"""Precompiled bundles (format 3): region code that runs without dynamo, and what is refused.
+
+One test compiles with inductor on the CPU, in two fresh processes (`surgery warm --step`, then
+a deployment with an empty TORCHINDUCTOR_CACHE_DIR): the proof that the deploying process traces
+no frame at all (torch's dynamo counters) and matches eager. The others use backend aot_eager,
+which torch's AOT path serialises too and which needs no code generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from bundle_support import EMPTY_BLOB, KEY, KEY_HEX
+from click.testing import CliRunner
+from torch._dynamo.utils import counters
+
+from surgery.cli import cli
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, load_manifest, save_manifest
+from surgery.runtime import bundle, cache, precompiled
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
+from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
+
+AOT = {"backend": "aot_eager", "on_cpu": "compile"}
+ATTACKER_KEY = bytes(range(32))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = Path(HERE) / "tests" / "golden"
+
+# Two identical blocks (one compiled group) and a STEP, as `plan --input` and `warm --step` take.
+MODEL_SRC = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 32)
+            self.b = nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+
+    X = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        with torch.no_grad():
+            return model(X)
+
+    def example(model):
+        return X
+''')
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """tmp_path holding premod.py and net.surgery.toml (inductor on the CPU); cwd there."""
+    monkeypatch.setenv(ENV_KEY, KEY_HEX)
+    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    (tmp_path / "premod.py").write_text(MODEL_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    mod = _premod()
+    m = Manifest(compute_fingerprint(mod.build().state_dict()),
+                 [Region("block", ["blocks.0", "blocks.1"])],
+                 compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
+    save_manifest(m, str(tmp_path / "net.surgery.toml"))
+    return tmp_path
+
+
+def _premod():  # type: ignore[no-untyped-def]
+    import premod  # type: ignore[import-not-found]
+
+    return importlib.reload(premod)
+
+
+def _frames() -> int:
+    """Frames dynamo traced and graphs it captured (torch's AOT path counts only the second)."""
+    return int(sum(counters["frames"].values()) + counters["stats"]["unique_graphs"] +
+               counters["stats"]["calls_captured"])
+
+
+def _save(site: Path) -> dict:
+    """Apply with aot_eager, warm up, save the bundle beside the manifest; its metadata."""
+    mod = _premod()
+    model = mod.build().eval()
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step, overrides=AOT,
+                                passes=2)
+    saved = handle.save_cache()
+    handle.restore()
+    torch._dynamo.reset()  # what a fresh process starts from: no compiled frame, no counter
+    counters.clear()
+    return saved.metadata
+
+
+def _deploy(site: Path, *, passes: int = 1) -> tuple[list[str], object, torch.Tensor]:
+    """A new model from the bundle: (our warnings, report, the difference from eager)."""
+    mod = _premod()
+    model = mod.build().eval()
+    want = model(mod.X)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step, overrides=AOT,
+                                    cache=True, passes=passes)
+            got = mod.step(model)
+    handle.restore()
+    mine = [w for w in caught if issubclass(w.category, SurgeryWarning)]
+    assert all(issubclass(w.category, CacheIgnoredWarning) for w in mine), mine
+    return [str(w.message) for w in mine], handle.report, (got - want).abs().max()
+
+
+# --- the proof: a fresh process traces nothing -------------------------------------------------
+
+DEPLOY_SRC = textwrap.dedent('''
+    import json, torch, premod
+    from torch._dynamo.utils import counters
+    from surgery.runtime.apply import apply_manifest
+    model = premod.build().eval()
+    want = model(premod.X)
+    with torch.no_grad():
+        h = apply_manifest(model, "net.surgery.toml", warmup=premod.step, cache=True, passes=1)
+        got = premod.step(model)
+    print(json.dumps({
+        "frames": sum(counters["frames"].values()), "graphs": counters["stats"]["unique_graphs"]
+        + counters["stats"]["calls_captured"],
+        "precompiled": h.report.cache.precompiled, "reason": h.report.cache.reason,
+        "records": [[r.status, r.precompiled_runs, r.compiles] for r in h.report.records],
+        "same": torch.equal(got, want), "close": torch.allclose(got, want, atol=1e-5)}))
+''')
+
+
+@pytest.mark.slow
+def test_fresh_process_runs_the_precompiled_bundle_with_no_dynamo_frame(site) -> None:
+    """`surgery warm --step` (inductor, its own cache dir) writes a format-3 bundle; a fresh
+    process with an empty cache dir and that bundle traces 0 frames, compiles 0 graphs, runs
+    every region compiled, and matches eager."""
+    (site / "deploy.py").write_text(DEPLOY_SRC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), HERE]),
+           "TORCHINDUCTOR_CACHE_DIR": str(site / "inductor-warm")}
+    warm = subprocess.run(
+        [sys.executable, "-m", "surgery", "warm", "--model", "premod:build", "--manifest",
+         "net.surgery.toml", "--step", "premod:step", "--steps", "2", "--device", "cpu",
+         "--json"], cwd=site, env=env, capture_output=True, text=True, timeout=400)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    made = json.loads(warm.stdout)
+    assert made["metadata"]["format"] == bundle.FORMAT_PRECOMPILED
+    entries = made["metadata"]["precompiled"]["entries"]
+    assert len(entries) == 1, made["metadata"]["precompiled"]  # two blocks, one group
+    assert "Block.forward" in entries[0]["group"]
+
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(site / "inductor-deploy")  # empty: nothing to hit
+    run = subprocess.run([sys.executable, "deploy.py"], cwd=site, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["precompiled"] == 1, got["reason"]
+    assert got["frames"] == 0 and got["graphs"] == 0, got  # dynamo traced nothing
+    assert got["records"] == [["compiled", 2, 0], ["compiled", 2, 0]], got
+    assert got["close"], got
+    assert "CacheIgnoredWarning" not in run.stderr
+
+
+def test_precompiled_code_runs_without_dynamo_and_matches_eager(site) -> None:
+    meta = _save(site)
+    assert meta["format"] == bundle.FORMAT_PRECOMPILED
+    assert bundle.count_entries(meta) == 1
+    ours, report, diff = _deploy(site)
+    assert ours == []
+    assert _frames() == 0
+    assert report.cache.precompiled == 1 and report.cache.precompiled_unused == 0  # type: ignore[attr-defined]
+    assert [(r.status, r.precompiled_runs, r.compiles) for r in report.records] == \
+        [("compiled", 2, 0), ("compiled", 2, 0)]  # type: ignore[attr-defined]
+    assert diff == 0  # aot_eager runs the same ops as eager
+
+
+def test_a_call_outside_the_artifacts_guards_compiles_with_dynamo(site) -> None:
+    """A new signature has no artifact: dynamo compiles it, as without a bundle."""
+    _save(site)
+    mod = _premod()
+    model = mod.build().eval()
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step, overrides=AOT,
+                                cache=True, passes=1)
+        assert _frames() == 0
+        got = model(x)
+        assert _frames() > 0 and handle.report.records[0].compiles == 1
+        handle.restore()
+        torch.testing.assert_close(got, model(x))
+
+
+def test_old_bundle_without_precompiled_part_still_loads(site) -> None:
+    """--no-precompile (or a torch without the AOT path) writes format 2, read as before."""
+    mod = _premod()
+    model = mod.build().eval()
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step, overrides=AOT,
+                                passes=2)
+    saved = handle.save_cache(precompile=False)
+    handle.restore()
+    torch._dynamo.reset()
+    counters.clear()
+    assert saved.metadata["format"] == bundle.FORMAT_VERSION
+    ours, report, _ = _deploy(site)
+    assert ours == [] and report.cache.loaded and report.cache.precompiled == 0  # type: ignore[attr-defined]
+    assert _frames() > 0  # the Mega-Cache part still has dynamo trace
+
+
+# --- stale and forged ---------------------------------------------------------------------------
+
+def test_stale_code_is_ignored_with_one_warning(site) -> None:
+    """The block's code changed since the bundle was built (same weights, same manifest): its
+    artifact matches no group, so dynamo compiles the new code, and one warning says why."""
+    _save(site)
+    (site / "premod.py").write_text(MODEL_SRC.replace("gelu", "silu"))
+    ours, report, diff = _deploy(site)
+    assert len(ours) == 1 and "match no region group" in ours[0], ours
+    assert report.cache.precompiled == 0 and report.cache.precompiled_unused == 1  # type: ignore[attr-defined]
+    assert _frames() > 0 and diff == 0  # the new code ran, compiled by dynamo
+
+
+class _Touch:
+    """A pickle that creates ``path`` when it is loaded: the payload of a forged artifact."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def _forge(site: Path, meta: dict, *, key: bytes) -> Path:
+    """The genuine record, its one artifact replaced by a payload, signed with ``key``."""
+    marker = site / "PWNED"
+    payload = pickle.dumps(_Touch(marker))
+    entry = meta["precompiled"]["entries"][0]
+    meta = {**meta, "precompiled": {**meta["precompiled"], "bytes": len(payload),
+                                    "entries": [{**entry, "offset": 0, "bytes": len(payload)}]}}
+    bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB + payload, meta, key=key)
+    return marker
+
+
+def test_forged_precompiled_artifact_never_reaches_torch(site) -> None:
+    """An attacker who knows the layout and the record, without the key: ignored, with one
+    warning, and its pickle never runs."""
+    marker = _forge(site, _save(site), key=ATTACKER_KEY)
+    ours, report, diff = _deploy(site)
+    assert len(ours) == 1 and "signature does not verify" in ours[0], ours
+    assert not marker.exists(), "a forged artifact was unpickled"
+    assert report.cache.loaded is False and diff == 0  # type: ignore[attr-defined]
+
+
+def test_control_a_signed_payload_is_unpickled(site) -> None:
+    """The control for the test above: signed with the deployer's key, the same payload does
+    reach torch's loader (so that test would catch a skipped signature check)."""
+    marker = _forge(site, _save(site), key=KEY)
+    ours, _, diff = _deploy(site)
+    assert marker.exists()
+    assert len(ours) == 1 and "torch could not load one" in ours[0], ours
+    assert diff == 0  # it was not a compiled function: the group compiled with dynamo
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param({"bytes": 5}, id="length-differs"),
+    pytest.param({"format": 99}, id="record-format"),
+    pytest.param({"entries": "x"}, id="entries-not-a-list"),
+    pytest.param({"entries": [{"group": "g", "signature": "s", "offset": 0}]}, id="no-length"),
+    pytest.param({"entries": [{"group": "g", "signature": "s", "offset": 1, "bytes": 3}]},
+                 id="gap"),
+    pytest.param({"entries": [{"group": 1, "signature": "s", "offset": 0, "bytes": 4}]},
+                 id="group-not-text"),
+    pytest.param({"entries": [{"group": "g", "signature": "s", "offset": 0, "bytes": 2},
+                              {"group": "g", "signature": "s", "offset": 2, "bytes": 2}]},
+                 id="duplicate"),
+])
+def test_a_malformed_signed_record_is_ignored_not_raised(site, damage) -> None:
+    m = load_manifest("net.surgery.toml")
+    meta = cache.bundle_metadata(m, overrides=AOT, env=cache.environment(device="cpu"),
+                                 artifacts={})
+    record = {"format": 1, "bytes": 4, "entries": [
+        {"group": "g", "signature": "s", "offset": 0, "bytes": 4}], "notes": [], **damage}
+    meta.update(format=bundle.FORMAT_PRECOMPILED, precompiled=record)
+    bundle.write_bundle("net.surgery.cache", EMPTY_BLOB + b"abcd", meta, key=KEY)
+    ours, report, diff = _deploy(site)
+    assert len(ours) == 1 and "refused" in ours[0], ours
+    assert report.cache.loaded is False and diff == 0  # type: ignore[attr-defined]
+
+
+# --- the layouts ever written -------------------------------------------------------------------
+
+def test_golden_format_2_bundle_still_reads_and_loads(site, monkeypatch) -> None:
+    """tests/golden/format2.surgery.cache was written by the format-2 writer (before the
+    precompiled part), signed with bundle_support.KEY, for tests/golden/format2.surgery.toml."""
+    meta, blob = bundle.read_bundle(str(GOLDEN / "format2.surgery.cache"), key=KEY)
+    assert meta["format"] == 2 and blob == EMPTY_BLOB
+    monkeypatch.setattr(cache, "environment", lambda device: dict(meta["env"]))
+    opened = cache.open_bundle(str(GOLDEN / "format2.surgery.cache"),
+                               manifest=load_manifest(str(GOLDEN / "format2.surgery.toml")),
+                               overrides=meta["overrides"], device="cpu")
+    assert opened.loaded, opened.reason
+    assert opened.precompiled == {}
+
+
+def test_format_3_layout_reads_back() -> None:
+    meta, blob = bundle.read_bundle(str(GOLDEN / "format3.surgery.cache"), key=KEY)
+    mega, section = bundle.split_blob(meta, blob)
+    assert mega == EMPTY_BLOB
+    assert bundle.parse_precompiled(meta, section) == {"g": {"s": b"artifact"}}
+
+
+def test_a_format_3_bundle_cannot_be_cut_to_format_2(site) -> None:
+    """The format is inside the signed metadata: rewriting it breaks the signature."""
+    data = (GOLDEN / "format3.surgery.cache").read_bytes()
+    cut = data.replace(b'"format": 3', b'"format": 2')
+    assert cut != data
+    (site / "cut.surgery.cache").write_bytes(cut)
+    with pytest.raises(bundle.CacheSignatureError, match="does not verify"):
+        bundle.read_bundle(str(site / "cut.surgery.cache"), key=KEY)
+
+
+# --- examples: what is kept to precompile a signature ------------------------------------------
+
+def test_an_example_keeps_layout_and_modes_not_tensors() -> None:
+    x = torch.randn(3, 4).t()  # not contiguous
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ex = precompiled.Example.of((x, 2, None), {"scale": 0.5, "pair": (x, "s")})
+    assert ex is not None and ex.inference and ex.autocast == (("cpu", torch.bfloat16),)
+    with ex.modes():
+        (a, n, none), kw = ex.build()
+        assert torch.is_inference_mode_enabled() and a.is_inference()
+        assert torch.is_autocast_enabled("cpu")
+    assert (a.shape, a.stride(), n, none, kw["scale"], kw["pair"][1]) == \
+        (x.shape, x.stride(), 2, None, 0.5, "s")
+    assert not any(isinstance(v, torch.Tensor) for v in vars(ex).values())
+    assert precompiled.Example.of((object(),), {}) is None  # not rebuildable: not precompiled
+
+
+# --- region graphs: the first call captures when nothing compiles in it -------------------------
+
+class _Graph:
+    def __init__(self, work) -> None:  # type: ignore[no-untyped-def]
+        self.replay = work
+
+
+class _Capturer:
+    device = -1
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.owned = weakref.WeakValueDictionary()  # type: ignore[var-annotated]
+
+    def capture(self, work):  # type: ignore[no-untyped-def]
+        work()
+        return _Graph(work)
+
+
+@pytest.mark.parametrize(("ready", "captured_after"), [
+    pytest.param(True, 1, id="precompiled-first-call"),
+    pytest.param(False, 2, id="second-call"),
+])
+def test_precompiled_code_is_captured_on_its_first_call(ready: bool, captured_after: int) -> None:
+    from surgery.runtime.graphs.replay import RegionGraphs
+
+    lin = torch.nn.Linear(4, 3)
+    g = RegionGraphs(lin, _Capturer(), lambda a, k: lin(*a, **k), clone_outputs=False,
+                     warn=print)
+    g.ready = lambda a, k: ready
+    runs = []
+
+    def run_compiled(a, k):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        return lin(*a, **k), True
+
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for call in range(1, 4):
+            out = g((x,), {}, run_compiled).clone()  # released at once: no output set held
+            torch.testing.assert_close(out, lin(x))
+            assert g.captures == (1 if call >= captured_after else 0)
+    assert g.replays == 3 - captured_after
+
+
+# --- surgery warm: the STEP form and the old form ----------------------------------------------
+
+WARM = ["warm", "--model", "premod:build", "--manifest", "net.surgery.toml", "--device", "cpu",
+        "--overrides", "backend=aot_eager", "--overrides", "on_cpu=compile"]
+
+
+def test_warm_takes_the_step_plan_takes(site) -> None:
+    r = CliRunner().invoke(cli, [*WARM, "--step", "premod:step", "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert "1 precompiled region artifact(s)" in r.output and "note:" not in r.output
+
+
+def test_warm_old_input_form_works_with_a_note(site) -> None:
+    r = CliRunner().invoke(cli, [*WARM, "--input", "premod:example"])
+    assert r.exit_code == 0, r.output
+    assert "note: --input here names an example-input factory" in r.output
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="neither"),
+    pytest.param(["--step", "premod:step", "--input", "premod:example"], id="both"),
+])
+def test_warm_needs_exactly_one_driver(site, extra) -> None:
+    r = CliRunner().invoke(cli, [*WARM, *extra])
+    assert r.exit_code == 2 and "exactly one of them" in r.output, r.output
+    assert not (site / "net.surgery.cache").exists()
+
+
+def test_warm_steps_must_be_positive(site) -> None:
+    r = CliRunner().invoke(cli, [*WARM, "--step", "premod:step", "--steps", "0"])
+    assert r.exit_code == 2 and "--steps" in r.output, r.output
+
+
+def test_warm_bad_step_names_the_flag(site) -> None:
+    r = CliRunner().invoke(cli, [*WARM, "--step", "premod:nope"])
+    assert r.exit_code == 3 and "--step" in r.output and "Traceback" not in r.output, r.output
+
+
+# --- CUDA: a warm start captures its graphs on the first pass and replays -----------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
+    mod = _premod()
+    x = mod.X.cuda()
+
+    def step(m):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return m(x)
+
+    model = mod.build().cuda().eval()
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=step, passes=3)
+    assert all(r.graphs_captured >= 1 for r in handle.report.records)
+    handle.save_cache()
+    handle.restore()
+    torch._dynamo.reset()
+    counters.clear()
+
+    model = mod.build().cuda().eval()
+    want = model(x)
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=step, cache=True, passes=1)
+        records = handle.report.records
+        assert handle.report.cache.precompiled >= 1, handle.report.cache.reason  # type: ignore[union-attr]
+        assert all(r.graphs_captured == 1 for r in records), [r.notes for r in records]
+        got = step(model)
+    assert all(r.cuda_graph_replays >= 1 for r in records)
+    assert _frames() == 0
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    with contextlib.suppress(Exception):
+        handle.restore()
