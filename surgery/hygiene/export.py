@@ -38,6 +38,7 @@ from surgery.formats.tensors import (
     META_SOURCE,
     META_VERSION,
 )
+from surgery.formats.ties import TIED_FIELD, restore_ties
 from surgery.formats.writer import Planned, write_safetensors
 from surgery.hygiene.verify import manifest_prefix
 
@@ -105,6 +106,9 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
             raise CheckpointError(f"{path}: nothing to export (no key is under --prefix "
                                   f"{prefix})", path=path, hint="check the prefix")
         model = {c: src.infos[k] for k, c in mk.names.items()}
+        # Tied names the checkpoint left out (save_pretrained) that the plan recorded are put
+        # back, as aliases of the tensor they share (surgery.formats.ties).
+        model, restored = restore_ties(model, m.model.get(TIED_FIELD) if m else None)
         fingerprint = compute_fingerprint(model)
         binding = None if m is None or m.fingerprint == fingerprint else bind(
             m.fingerprint, m.model, model, where=str(manifest), live="this checkpoint")
@@ -125,6 +129,9 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
                 continue
             stored_as[ident] = c
             planned.append(Planned(c, src.infos[k], src, k))
+        stored = {p.name for p in planned}
+        for alias, source in restored.items():
+            aliases[alias] = source if source in stored else aliases[source]
         metadata = {META_FORMAT: "pt", META_FINGERPRINT: fingerprint,
                     META_SOURCE: os.path.basename(path), META_VERSION: __version__}
         sha = None
@@ -142,7 +149,7 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
         src.close()
     return ExportResult(
         source=path, files=written.files, index=written.index, entry=src.info.entry,
-        prefix=prefix, tensors=len(mk.names), stored=len(planned),
+        prefix=prefix, tensors=len(mk.names) + len(restored), stored=len(planned),
         renamed=sum(1 for k, c in mk.names.items() if k != c), aliases=aliases,
         dropped=mk.dropped, fingerprint=fingerprint, bytes_written=written.bytes_written,
         seconds=time.perf_counter() - started, manifest_sha256=sha, recovered=written.recovered)

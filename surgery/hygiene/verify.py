@@ -8,6 +8,7 @@ progress bar. Verifying a safetensors file reads its header only and never impor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ from surgery.formats.tensors import (
     CheckpointInfo,
     TensorInfo,
 )
+from surgery.formats.ties import TIED_FIELD, restore_ties
+from surgery.planning.plan import default_output
 from surgery.runtime.bundle import check_beside
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE, MAKE_KEY
 
@@ -108,7 +111,7 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
         raise CheckpointError(f"{path}: no key is under --prefix {prefix}", path=path,
                               hint="check the prefix against the keys (surgery verify --all)")
     if m is not None:
-        findings.extend(_check_manifest(m, mk, fingerprint, info.tensors))
+        findings.extend(_check_manifest(m, mk, fingerprint, info.tensors, checkpoint=path))
         findings.extend(_check_cache_bundle(m))
     if deep:
         findings.extend(_deep_findings(path, key=key, kind=kind, info=info, progress=progress))
@@ -142,6 +145,17 @@ def _manifest_name(manifest: str | Manifest | None) -> str | None:
     return manifest.source_path
 
 
+def _replan_fix(checkpoint: str, manifest: str) -> str:
+    """SG101's fix. The manifest may be another model's: never suggest overwriting it, unless
+    it is the one `plan` writes for this checkpoint (planned before the checkpoint changed)."""
+    own = default_output(checkpoint)
+    if os.path.abspath(own) == os.path.abspath(manifest):
+        return (f"this checkpoint changed since {manifest} was planned: plan it again with "
+                f"surgery plan {checkpoint} -o {manifest} --force")
+    return (f"pass the manifest planned for this checkpoint, or plan one (a new file; "
+            f"{manifest} stays as it is): surgery plan {checkpoint} -o {own}")
+
+
 def _load_manifest(manifest: str | Manifest) -> Manifest:
     if isinstance(manifest, Manifest):
         return manifest
@@ -149,17 +163,21 @@ def _load_manifest(manifest: str | Manifest) -> Manifest:
 
 
 def _check_manifest(m: Manifest, mk: ModelKeys, fingerprint: str | None,
-                    tensors: Mapping[str, TensorInfo]) -> list[Finding]:
+                    tensors: Mapping[str, TensorInfo], *, checkpoint: str) -> list[Finding]:
     out: list[Finding] = []
     src = m.source_path or "MANIFEST"
+    # A tied name the checkpoint left out (save_pretrained) that the plan recorded counts.
+    table, restored = restore_ties({c: tensors[k] for k, c in mk.names.items()},
+                                   m.model.get(TIED_FIELD))
+    if restored and fingerprint is not None:
+        fingerprint = compute_fingerprint(table, canonical=True)
     binding = None if fingerprint is None or m.fingerprint == fingerprint else bind(
-        m.fingerprint, m.model, {c: tensors[k] for k, c in mk.names.items()}, where=src,
-        live="the checkpoint")
+        m.fingerprint, m.model, table, where=src, live="the checkpoint")
     if binding is not None and not binding.matches:
         out.append(Finding(
             "SG101", ERROR, f"the manifest was planned for a different checkpoint: "
             f"{binding.problem}", None,
-            [], f"plan it again for this checkpoint: surgery plan CHECKPOINT -o {src} --force",
+            [], _replan_fix(checkpoint, src),
             [f"manifest {m.fingerprint}", f"checkpoint {fingerprint}"],
             {"expected": m.fingerprint, "actual": fingerprint}))
         out[-1].keys = ["model.fingerprint"]

@@ -29,6 +29,7 @@ from surgery.formats.manifest import (
 )
 from surgery.formats.source import load_factory
 from surgery.formats.tensors import CheckpointInfo, TensorInfo, normalize_dtype
+from surgery.formats.ties import TIED_FIELD, live_ties
 from surgery.planning.regions import (
     METHOD_KINDS,
     OUTPUTS_OUTLIVE_STEP,
@@ -348,8 +349,10 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
         notes.append(f"the live model's state dict has {wrapped} wrapper-prefixed key(s); "
                      "build it unwrapped (no torch.compile / DDP swapped in) before planning")
     cls = f"{type(model).__module__}.{type(model).__qualname__}"
+    ties = live_ties(model)  # recorded, so an export of a file that left them out restores them
+    extra: dict[str, Any] = {"class": cls, **({TIED_FIELD: ties} if ties else {})}
     manifest = _manifest(view, tensors, source=spec, include=include, exclude=exclude,
-                         extra={"class": cls}, compile=compile, fold=fold)
+                         extra=extra, compile=compile, fold=fold)
     if fold:
         notes.extend(_fold_note(manifest))
     return PlanResult(manifest, spec, notes, wrapped)

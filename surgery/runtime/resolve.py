@@ -18,9 +18,10 @@ from torch import nn
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
 from surgery.formats.binding import Binding, bind
 from surgery.formats.checkpoint import read_embedded_manifest
-from surgery.formats.fingerprint import model_keys
+from surgery.formats.fingerprint import compute_fingerprint, model_keys
 from surgery.formats.keys import collision_error
 from surgery.formats.manifest import Manifest, Region, load_manifest
+from surgery.formats.ties import binding_variants, declared_ties, live_ties, ties_note
 from surgery.runtime.report import SurgeryWarning
 
 ENV_MANIFEST = "SURGERY_MANIFEST"
@@ -66,10 +67,13 @@ def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> 
     if mk.collisions:
         raise collision_error(mk.collisions, source="the live model")
     where = manifest.source_path or "the manifest"
-    binding = bind(manifest.fingerprint, manifest.model,
-                   {c: sd[k] for k, c in mk.names.items()}, where=where)
+    table = {c: sd[k] for k, c in mk.names.items()}
+    binding = bind(manifest.fingerprint, manifest.model, table, where=where)
     if binding.matches:
         return binding
+    tied = _bind_tied(model, manifest, table, where)
+    if tied is not None:
+        return tied
     msg = (f"{where} was planned for a different model (its fingerprint is "
            f"{manifest.fingerprint}, the live model's {binding.actual}): {binding.problem}")
     if strict:
@@ -80,6 +84,19 @@ def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> 
     binding.notes.append(f"fingerprint mismatch, applied anyway (strict=False): "
                          f"{binding.problem}")
     return binding
+
+
+def _bind_tied(model: nn.Module, manifest: Manifest, table: dict, where: str) -> Binding | None:
+    """A binding where the plan saw a tied parameter under fewer names (surgery.formats.ties)."""
+    ties = live_ties(model)
+    declared = declared_ties(model)
+    for variant, left in binding_variants(table, ties, declared=declared):
+        if compute_fingerprint(variant, canonical=True) != manifest.fingerprint:
+            continue
+        found = bind(manifest.fingerprint, manifest.model, variant, where=where)
+        found.notes.insert(0, ties_note(left, {**ties, **declared}, where=where))
+        return found
+    return None
 
 
 def check_fingerprint(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> str:
