@@ -172,10 +172,19 @@ def load_factory(spec: str) -> Any:
                                hint="check the module name and that it imports on its own"
                                ) from None
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
             raise ModelSourceError(f"--model {spec!r}: {mod_name!r} has no attribute {part!r}",
-                                   hint="name a function or class that returns an nn.Module")
-        obj = getattr(obj, part)
+                                   hint="name a function or class that returns an nn.Module"
+                                   ) from None
+        except Exception as e:  # a lazy module (transformers) imports the name on access
+            raise ModelSourceError(
+                f"--model {spec!r}: {mod_name}.{part} exists but fails to import: "
+                f"{e.__class__.__name__}: {' '.join(str(e).split())[:300]}",
+                hint=f"run `python -c \"from {mod_name} import {part}\"` to see why: usually "
+                     "a dependency of that package that is missing or built for another torch"
+            ) from None
     if not callable(obj):
         raise ModelSourceError(f"--model {spec!r} is not callable",
                                hint="name a function or class that returns an nn.Module")

@@ -17,7 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from surgery.errors import CacheBundleError, CheckpointError, ModelSourceError, OutputExistsError
+from surgery.errors import (
+    CacheBundleError,
+    CheckpointError,
+    ModelSourceError,
+    OutputExistsError,
+    SurgeryError,
+)
 from surgery.formats.checkpoint import read_index
 from surgery.formats.source import load_factory
 from surgery.formats.tensors import INDEX_SUFFIX
@@ -148,7 +154,7 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
             return driver(mod)
     else:
         notes.append(OLD_INPUT_NOTE)
-        example = driver(model)
+        example = _model_step(lambda: driver(model), input_spec or "", dtype=dtype)
 
         def warmup(mod: Any) -> Any:
             return _call_with(mod, example)
@@ -161,7 +167,9 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
         pass
     started = time.perf_counter()
     with torch.no_grad():
-        handle = apply_manifest(model, m, warmup=warmup, overrides=overrides, passes=steps)
+        handle = _model_step(lambda: apply_manifest(model, m, warmup=warmup,
+                                                    overrides=overrides, passes=steps),
+                             step_spec or input_spec or "", dtype=dtype)
     seconds = time.perf_counter() - started
     if not handle.report.with_status("compiled"):
         handle.restore()
@@ -176,6 +184,27 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
     finally:
         handle.restore()
     return WarmResult(saved, handle.report, seconds, notes)
+
+
+def _model_step(run: Callable[[], Any], spec: str, *, dtype: str | None) -> Any:
+    """Run the user's step (or input factory): what it raises is the user's, not a surgery bug.
+
+    apply_manifest lets through only what the model's own code raises (a region that fails to
+    compile falls back to eager), so an exception here is the step's. The commonest one: the
+    model was cast with --dtype while the input factory still returns float32 tensors.
+    """
+    try:
+        return run()
+    except SurgeryError:
+        raise
+    except Exception as e:  # the user's model and step may fail in any way
+        text = " ".join(str(e).split())[:300]
+        hint = "run the step on its own, eager, to see the failure"
+        if dtype and any(w in text for w in ("dtype", "Half", "BFloat16", "Float", "Double")):
+            hint = (f"--dtype {dtype} casts the model; make the example inputs match it "
+                    f"(e.g. return x.to(next(model.parameters()).dtype))")
+        raise ModelSourceError(f"the warm-up step {spec!r} failed in the model: "
+                               f"{type(e).__name__}: {text}", hint=hint) from None
 
 
 def _load_driver(spec: str, *, step: bool) -> Callable[[Any], Any]:
