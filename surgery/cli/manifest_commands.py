@@ -96,6 +96,10 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 @click.option("--fold", is_flag=True, help="Compile a fixed-shape container whose blocks are "
               "all regions (e.g. aggregator.patch_embed) as ONE region: fewer CUDA-graph "
               "replays per step, faster on launch-bound models (benchmarks/RESULTS.md).")
+@click.option("--piecewise", is_flag=True, help="With --model: plan each streaming block "
+              "(attention over a growing cache) as ONE piecewise region: one graph split at "
+              "attention and the cache, its fixed-shape pieces captured as CUDA graphs "
+              "(surgery/runtime/piecewise.py), instead of leaving it out.")
 @click.option("--capture", type=click.Choice(["compiler", "region"]),
               help="Who captures CUDA graphs. 'region' (default): surgery captures one graph per "
               "region path and replays it without entering dynamo, which cuts the host time of "
@@ -120,7 +124,8 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
-         capture: str | None, fmt: str | None, input_spec: str | None, steps: int,
+         piecewise: bool, capture: str | None, fmt: str | None, input_spec: str | None,
+         steps: int,
          device: str, dtype: str, as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
 
@@ -148,6 +153,9 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
                                  "write the manifest to a file", param_hint="-o")
     if input_spec is not None and model_spec is None:
         raise click.UsageError("--input drives a live model: give --model PKG.MOD:FACTORY too")
+    if piecewise and model_spec is None:
+        raise click.UsageError("--piecewise needs a live model (--model PKG.MOD:FACTORY): a "
+                               "checkpoint cannot show where a block keeps its cache")
     if input_spec is not None and fold:
         raise click.UsageError("--fold does nothing with --input: evidence regions are already "
                                "the largest subtrees that keep one shape; drop --fold")
@@ -176,10 +184,10 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
 
             result = plan_observed(model_spec, input_spec=input_spec, steps=steps,
                                    device=device, dtype=dtype, include=include,
-                                   exclude=exclude, compile=comp)
+                                   exclude=exclude, compile=comp, piecewise=piecewise)
         else:
             result = planner.plan_model(model_spec, include=include, exclude=exclude,
-                                        compile=comp, fold=fold)
+                                        compile=comp, fold=fold, piecewise=piecewise)
     text = dumps_manifest(result.manifest)
     if out == "-":
         click.echo(text, nl=False)

@@ -47,6 +47,14 @@ DEFAULT_COMPILE: dict[str, Any] = {
     "clone_outputs": True,
     "on_cpu": "eager",
 }
+# A region of this kind is a streaming block compiled piecewise (surgery.runtime.piecewise); its
+# `piecewise` table may name split ops from this list only, and where its cache is.
+PIECEWISE_KIND = "piecewise"
+PIECEWISE_SPLIT_OPS: tuple[str, ...] = (
+    "scaled_dot_product_attention", "cat", "stack", "index_select", "index_copy",
+    "index_copy_", "index_put", "index_put_", "gather", "scatter", "narrow",
+)
+PIECEWISE_DEFAULT_SPLIT_OPS: tuple[str, ...] = ("scaled_dot_product_attention",)
 # LingBot-Map's recipe: warm-up passes each opened with cudagraph_mark_step_begin().
 DEFAULT_WARMUP: dict[str, Any] = {"passes": 3, "mark_step": True}
 

@@ -20,10 +20,12 @@ from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, DEFAULT_WARMUP, LeftOut, Manifest, Region
 from surgery.formats.source import load_factory
 from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, choose_regions
+from surgery.planning.evidence import coverage as step_coverage
 from surgery.planning.observation import Clock, Observation
 from surgery.planning.observe import observe
 from surgery.planning.plan import PlanResult, view_from_module
 from surgery.planning.regions import OUTPUTS_OUTLIVE_STEP, find_regions, natural_key
+from surgery.planning.streaming import plan_piecewise, region_paths
 
 # --dtype names -> the autocast dtype the steps run under (None: no autocast).
 AUTOCAST_DTYPES: dict[str, str | None] = {"bf16": "bfloat16", "fp16": "float16", "fp32": None}
@@ -65,7 +67,7 @@ def build_live(spec: str, *, device: str) -> Any:
 def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: int = 3,
                   device: str = "cpu", dtype: str = "fp32", include: Sequence[str] = (),
                   exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
-                  clock: Clock | None = None) -> PlanResult:
+                  clock: Clock | None = None, piecewise: bool = False) -> PlanResult:
     """Plan a live model from ``steps`` eager steps of ``input_spec(model)``, then time it."""
     import torch
 
@@ -86,6 +88,11 @@ def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: in
                                       compile=compile, notes=notes,
                                       extra={"input": input_spec, "steps": steps,
                                              "device": device, "dtype": dtype})
+    if piecewise:  # streaming blocks as piecewise regions (surgery.planning.streaming)
+        notes += plan_piecewise(manifest, watched.model, watched.view,
+                                exclude=exclude)
+        manifest.coverage = {**(manifest.coverage or {}),
+                             **step_coverage(watched.obs, region_paths(manifest))}
     return PlanResult(manifest, spec, notes, 0)
 
 

@@ -37,6 +37,7 @@ from surgery.planning.regions import (
     find_regions,
     natural_key,
 )
+from surgery.planning.streaming import plan_piecewise
 from surgery.planning.view import ForwardArg, ModelView, ModuleNode, view_from_tensors
 
 
@@ -339,7 +340,8 @@ def _may_pass_a_cache(model: Any) -> bool:
 
 
 def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str] = (),
-               compile: dict[str, Any] | None = None, fold: bool = False) -> PlanResult:
+               compile: dict[str, Any] | None = None, fold: bool = False,
+               piecewise: bool = False) -> PlanResult:
     """Plan a live model built by a factory; it shows classes and method regions."""
     notes: list[str] = []
     model = build_model(spec, notes=notes)
@@ -355,6 +357,8 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
                          extra=extra, compile=compile, fold=fold)
     if fold:
         notes.extend(_fold_note(manifest))
+    if piecewise:  # streaming blocks as piecewise regions (surgery.planning.streaming)
+        notes.extend(plan_piecewise(manifest, model, view, exclude=exclude))
     return PlanResult(manifest, spec, notes, wrapped)
 
 

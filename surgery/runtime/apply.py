@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from surgery.errors import CacheBundleError, RegionError
-from surgery.formats.manifest import Manifest, Region
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest, Region
 from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle, cache_counters, save_bundle
@@ -35,7 +35,7 @@ from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePla
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
 from surgery.runtime.groups import _Group
-from surgery.runtime.piecewise import PIECEWISE_KIND, PiecewiseGroup, install_piecewise
+from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
 from surgery.runtime.precompiled import Loaded, build_section, load_for_apply, report_use
 from surgery.runtime.report import (
     ApplyReport,

@@ -66,7 +66,6 @@ from surgery.runtime.piecewise_split import DEFAULT_SPLIT_OPS, PathPieces, Piece
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.slots import _make_wrapper
 
-PIECEWISE_KIND = "piecewise"
 # A dynamic-dim source: a forward argument name, or `self.` and a dotted attribute path of the
 # block, then an optional `:DIM` (the dim that grows). Identifiers never start with `_`.
 SOURCE_RE = re.compile(r"^(self(\.[A-Za-z][A-Za-z0-9_]*)+|[A-Za-z][A-Za-z0-9_]*)(:-?[0-9])?$")

@@ -32,16 +32,13 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.graphs.replay import RegionGraphs
 
-# Ops that always run between pieces (the manifest may name these, and only these). Attention is
-# the op whose cost and shape depend on the cache; the others append to or read a cache.
-SPLIT_OPS: tuple[str, ...] = (
-    "scaled_dot_product_attention", "cat", "stack", "index_select", "index_copy",
-    "index_copy_", "index_put", "index_put_", "gather", "scatter", "narrow",
-)
-DEFAULT_SPLIT_OPS: tuple[str, ...] = ("scaled_dot_product_attention",)
+# Ops that always run between pieces: the manifest names some of these (attention by default).
+SPLIT_OPS = PIECEWISE_SPLIT_OPS
+DEFAULT_SPLIT_OPS = PIECEWISE_DEFAULT_SPLIT_OPS
 # Node targets that are bookkeeping, not work: a piece made only of these is not counted.
 _FREE = {operator.getitem, "view", "reshape", "transpose", "permute", "contiguous", "size",
          "unsqueeze", "squeeze", "flatten", "expand"}

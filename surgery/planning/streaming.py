@@ -1,0 +1,163 @@
+"""Plan streaming blocks as ``piecewise`` regions (surgery.runtime.piecewise) instead of leaving
+them out. Opt-in: ``plan --piecewise`` (``plan_model(..., piecewise=True)``).
+
+Which blocks. A block the plan left out as streaming (surgery.planning.blocks: its forward takes
+a cache, or it sits in ``global_blocks``), or, from evidence, one whose subtree changed a cache
+attribute in every step, becomes one piecewise region when its cache can be located:
+
+- a forward argument named as a cache (``past_key_values``, ``cache``, ``layer_past`` ...). A
+  transformers ``Cache`` (by its annotation) holds (batch, heads, length, head_dim) tensors, so
+  its dim 2 is recorded as the dim that grows (``"cache:2"``) and marked dynamic at run time;
+- an instance attribute of the block or one of its submodules named as a cache (the SDPA
+  example's ``attn.kv_cache``), recorded without a dim (``"self.attn.kv_cache"``): a list cache
+  grows in length, not in a tensor dim, and the cache's tensors mark the split points only.
+
+Which blocks keep today's treatment, with the reason added under ``[[left_out]]``: a block whose
+forward takes a per-instance index (``global_idx``: each instance would trace its own graphs),
+and a block whose cache cannot be located. Regions inside a block that becomes piecewise (its
+``fixed_part``/``attn_proj`` children, evidence regions) are dropped: no region lies inside
+another; the block's region covers them.
+
+The runtime decides what a name cannot: a graph break or a branch on the cache length makes
+the block run eager with the reason in its record (never a crash).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+from surgery.formats.manifest import (
+    PIECEWISE_DEFAULT_SPLIT_OPS,
+    PIECEWISE_KIND,
+    LeftOut,
+    Manifest,
+    Region,
+)
+from surgery.planning.blocks import is_cache_arg, is_index_arg
+from surgery.planning.regions import natural_key
+from surgery.planning.view import ModelView
+
+# The dim that grows in a transformers Cache's tensors: (batch, heads, length, head_dim).
+HF_CACHE_LENGTH_DIM = 2
+# How deep the search for cache attributes goes below the block (attn.kv_cache is one level).
+_ATTR_DEPTH = 3
+# How a left-out reason says "streaming": by names (surgery.planning.blocks) or by evidence
+# (surgery.planning.evidence: Python state changed, or the ops inside changed with the same
+# arguments).
+_STREAMING_SIGNS = ("streaming block", "changed its attribute", "state kept between calls")
+
+
+def cache_sources(block: Any, view: ModelView, path: str) -> list[str]:
+    """Where the block's cache is, as manifest ``dynamic`` sources (may be empty)."""
+    out: list[str] = []
+    for arg in view.modules[path].forward_args or ():
+        # `use_cache` is a flag and `cache_position` an index tensor, not caches
+        if is_cache_arg(arg.name) and arg.name != "cache_position" and \
+                not arg.name.startswith("use_") and "bool" not in arg.annotation:
+            dim = f":{HF_CACHE_LENGTH_DIM}" if "Cache" in arg.annotation else ""
+            out.append(arg.name + dim)
+    for name, mod in block.named_modules():
+        if name.count(".") >= _ATTR_DEPTH:
+            continue
+        for attr in vars(mod):
+            if is_cache_arg(attr) and not attr.startswith("_"):
+                out.append(".".join(["self", *filter(None, name.split(".")), attr]))
+    return out
+
+
+def _why_not(view: ModelView, path: str, sources: Sequence[str]) -> str | None:
+    for arg in view.modules[path].forward_args or ():
+        if is_index_arg(arg):
+            return (f"not piecewise: its forward takes a per-instance index {arg.name!r}, so "
+                    "each instance would trace graphs of its own")
+    if not sources:
+        return "not piecewise: no cache argument or cache attribute was found to split at"
+    return None
+
+
+def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
+                   exclude: Sequence[str] = ()) -> list[str]:
+    """Make the streaming blocks left out of ``manifest`` piecewise regions, in place.
+
+    A block matching an ``exclude`` glob stays out.
+
+    Returns notes for the plan's output (how many blocks, which kept their treatment and why).
+    """
+    # blocks: items of a numbered container (`global_blocks.3`, `h.0`), as the planner's are
+    candidates = sorted({lo.path for lo in manifest.left_out if lo.path in view.modules
+                         and lo.path.rsplit(".", 1)[-1].isdigit()
+                         and not any(fnmatch.fnmatchcase(lo.path, g) for g in exclude)
+                         and any(s in lo.reason for s in _STREAMING_SIGNS)}, key=natural_key)
+    # the outermost candidates only: a block, not its attention as well
+    blocks = [p for p in candidates if not any(p.startswith(o + ".") for o in candidates)]
+    groups: dict[tuple[str | None, tuple[str, ...]], list[str]] = {}
+    kept: dict[str, str] = {}
+    for path in blocks:
+        try:
+            block = model.get_submodule(path)
+        except AttributeError:
+            continue
+        sources = cache_sources(block, view, path)
+        why = _why_not(view, path, sources)
+        if why is not None:
+            kept[path] = why
+            continue
+        groups.setdefault((view.modules[path].cls, tuple(sources)), []).append(path)
+    chosen = {p for paths in groups.values() for p in paths}
+    inside = [r for r in manifest.regions
+              if any(_within(_owner(r, p), b) for p in r.paths for b in chosen)]
+    for region in inside:
+        dropped = [p for p in region.paths if any(_within(_owner(region, p), b) for b in chosen)]
+        region.paths = [p for p in region.paths if p not in dropped]
+        manifest.left_out += [LeftOut(p, region.kind, "inside piecewise region " +
+                                      next(b for b in chosen if _within(_owner(region, p), b)))
+                              for p in dropped]
+    manifest.regions = [r for r in manifest.regions if r.paths]
+    manifest.left_out = [lo for lo in manifest.left_out if lo.path not in chosen
+                         and not any(lo.path.startswith(b + ".") and
+                                     any(s in lo.reason for s in _STREAMING_SIGNS)
+                                     for b in chosen)]
+    for lo in manifest.left_out:
+        if lo.path in kept:
+            lo.reason = f"{lo.reason}; {kept[lo.path]}"
+    for (cls, sources), paths in groups.items():
+        params = sum(view.numel(p) for p in paths)
+        manifest.regions.append(Region(
+            kind=PIECEWISE_KIND, paths=sorted(paths, key=natural_key), module_class=cls,
+            parameters=params,
+            piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(sources)}))
+    manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
+    if chosen:
+        manifest.model["covered_parameters"] = _covered(manifest, view)
+    notes = []
+    if chosen:
+        notes.append(f"{len(chosen)} streaming block(s) planned piecewise (e.g. "
+                     f"{min(chosen, key=natural_key)}): one graph each, split at attention and "
+                     "the cache; the fixed-shape pieces run as region graphs")
+    elif blocks:
+        notes.append(f"--piecewise: none of the {len(blocks)} streaming block(s) could be "
+                     f"planned piecewise (e.g. {blocks[0]}: {kept.get(blocks[0], '?')})")
+    else:
+        notes.append("--piecewise: the plan left out no streaming block, so nothing is piecewise")
+    return notes
+
+
+def _owner(region: Region, path: str) -> str:
+    return path if region.callable == "forward" else path.rsplit(".", 1)[0]
+
+
+def _within(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def _covered(manifest: Manifest, view: ModelView) -> int:
+    return sum(view.numel(p) for r in manifest.regions if r.callable == "forward"
+               for p in r.paths if p in view.modules)
+
+
+
+def region_paths(manifest: Manifest) -> list[str]:
+    """Every region path (methods too), as evidence coverage counts them."""
+    return [p for r in manifest.regions for p in r.paths]

@@ -1,0 +1,110 @@
+"""plan --piecewise (surgery.planning.streaming): streaming blocks become piecewise regions that
+apply_manifest runs with no code from the user."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from surgery.cli import cli
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
+from surgery.planning.plan import plan_model
+from surgery.runtime.apply import apply_manifest
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+ON_CPU = {"backend": "aot_eager", "on_cpu": "compile"}
+
+
+def _round_trip(m: Manifest) -> Manifest:
+    data = m.to_dict()
+    validate(data)
+    return Manifest.from_dict(data)
+
+
+def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> None:
+    result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
+    m = _round_trip(result.manifest)
+    pw = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+    assert len(pw) == 1 and pw[0].paths == ["aggregator.global_blocks.0",
+                                            "aggregator.global_blocks.1"]
+    assert pw[0].piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                               "dynamic": ["self.attn.kv_cache"]}
+    paths = [p for r in m.regions for p in r.paths]
+    assert not any(p.startswith("aggregator.global_blocks.") and p.count(".") > 2
+                   for p in paths)  # attn.proj is inside the block now
+    left = {lo.path: lo.reason for lo in m.left_out}
+    assert "inside piecewise region aggregator.global_blocks.0" in \
+        left["aggregator.global_blocks.0.attn.proj"]
+    # the camera trunk takes a per-instance index: today's treatment, with why
+    assert "not piecewise: its forward takes a per-instance index 'global_idx'" in \
+        left["camera_head.trunk.0"]
+    assert "piecewise" in result.notes[-1]
+
+    from surgery.examples import tiny_sdpa
+
+    torch.manual_seed(0)
+    model = tiny_sdpa().eval()
+    ref = copy.deepcopy(model)
+    m.fingerprint = result.manifest.fingerprint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, m, overrides=ON_CPU)
+    with torch.no_grad():
+        for s in range(3):
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k])
+    for p in pw[0].paths:
+        rec = handle.report.by_path(p)
+        assert rec.status == "compiled" and rec.pieces == 2, rec.reason
+
+
+def test_names_plan_of_gpt2_locates_its_cache_and_generates_the_same_tokens() -> None:
+    transformers = pytest.importorskip("transformers")
+    result = plan_model("tests.test_streaming:tiny_gpt2", piecewise=True)
+    m = _round_trip(result.manifest)
+    (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+    assert pw.paths == ["transformer.h.0", "transformer.h.1"]
+    (source,) = pw.piecewise["dynamic"]  # `use_cache` is a flag, not a cache
+    assert source.endswith(":2") and source.split(":")[0] in ("cache", "past_key_values",
+                                                              "layer_past")
+    assert not any(r.kind == "fixed_part" for r in m.regions)  # h.N.mlp is inside now
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    assert isinstance(model, transformers.PreTrainedModel)
+    ids = torch.randint(2, 100, (1, 4), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, m, overrides=ON_CPU)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
+                           ref.generate(ids, max_new_tokens=8, do_sample=False))
+    assert all(r.status == "compiled" for r in handle.report), [r.reason for r in handle.report]
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """A --model factory: GPT-2 at test size, random weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                  n_positions=64, bos_token_id=0, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_plan_without_streaming_blocks_says_nothing_is_piecewise() -> None:
+    result = plan_model("surgery.examples:tiny_sdpa", piecewise=True,
+                        exclude=["aggregator.global_blocks.*", "camera_head.*"])
+    assert not any(r.kind == PIECEWISE_KIND for r in result.manifest.regions)
+    assert "--piecewise: the plan left out no streaming block" in result.notes[-1]
+
+
+def test_cli_piecewise_needs_a_live_model(tmp_path: object) -> None:
+    res = CliRunner().invoke(cli, ["plan", "model.safetensors", "--piecewise"])
+    assert res.exit_code == 2
+    assert "--piecewise needs a live model" in res.output
