@@ -167,9 +167,10 @@ def _resolve(source: str, format: str | None, *, quiet: bool) -> Any:
 
 
 FORMAT_OPTION = click.option(
-    "--format", "fmt", type=click.Choice(["safetensors", "torch", "index"]),
+    "--format", "fmt", type=click.Choice(["safetensors", "torch", "index", "dcp"]),
     help="Read the checkpoint as this format whatever its suffix: safetensors, torch "
-    "(torch.save: .pt/.pth/.pth.tar/.ckpt/.bin) or index (a sharded *.index.json).")
+    "(torch.save: .pt/.pth/.pth.tar/.ckpt/.bin), index (a sharded *.index.json) or dcp (a "
+    "torch.distributed.checkpoint folder; found by its .metadata without this flag).")
 
 
 def emit_json(obj: Any) -> None:
@@ -188,6 +189,7 @@ def cli() -> None:
       surgery check model.surgery.toml        # validate a (hand-edited) manifest
       surgery verify model.ckpt               # prove the keys are prefix-free (CI gate)
       surgery export model.ckpt -o clean.safetensors --manifest model.surgery.toml
+      surgery export ckpt/step-1000 -o clean.safetensors  # a DCP folder (FSDP2, torchtitan)
       surgery warm --model pkg.mod:build --manifest model.surgery.toml --input pkg.mod:example
     Then, in deployment: surgery.apply_manifest(model, "model.surgery.toml", warmup=...)
     """

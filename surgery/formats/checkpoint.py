@@ -4,6 +4,8 @@
   imported.
 - ``.pt`` / ``.pth`` / ``.ckpt`` / ``.bin``: ``torch.load(weights_only=True, mmap=True)``.
 - a sharded checkpoint through its ``*.index.json``, whose shard names must stay in its folder.
+- a DCP folder (``torch.distributed.checkpoint``) through its ``.metadata``, read as data
+  (surgery.formats.dcp).
 A state dict nested in a container (``state_dict``, ``model``, ``ema`` ...) is found and the
 entry used is reported (surgery.formats.pickled).
 
@@ -18,6 +20,7 @@ import os
 from typing import Any
 
 from surgery.errors import CheckpointError, ManifestError
+from surgery.formats.dcp import read_dcp
 from surgery.formats.limits import read_regular
 from surgery.formats.manifest import Manifest, parse_manifest
 from surgery.formats.pickled import (
@@ -62,6 +65,8 @@ def read_checkpoint(path: str, *, key: str | None = None, kind: str | None = Non
         return CheckpointInfo(path, kind, _infos_from_state_dict(sd), entry=entry,
                               candidates=cands, files=[path], optimizer=optimizer,
                               ignored=[i for i in ignored if i not in optimizer])
+    if kind == "dcp":
+        return read_dcp(path, key=key)
     return _read_sharded(path, key=key)
 
 

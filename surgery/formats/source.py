@@ -3,6 +3,8 @@
 Contract:
 - A file is used as given. Its kind comes from its suffix (checkpoint.checkpoint_kind) or from
   the format the user names (`--format safetensors|torch|index`), never from its bytes.
+- A folder holding ``.metadata`` is a DCP checkpoint (torch.distributed.checkpoint) and is read
+  as itself (surgery.formats.dcp).
 - A folder (what ``save_pretrained`` writes in transformers and diffusers) resolves to the one
   weights file in it, by the names those libraries write. Safetensors wins over pickle, as it
   does when those libraries load a folder; a sharded ``*.index.json`` stands for its shards.
@@ -26,6 +28,7 @@ from surgery.formats.checkpoint import (
     read_embedded_manifest,
     read_embedded_manifest_text,
 )
+from surgery.formats.dcp import METADATA_NAME, is_dcp_folder
 from surgery.formats.manifest import Manifest, parse_manifest, read_manifest_file
 from surgery.formats.tensors import (
     INDEX_SUFFIX,
@@ -35,7 +38,8 @@ from surgery.formats.tensors import (
 )
 
 # The CLI's --format names -> checkpoint kinds (checkpoint.KINDS).
-FORMATS: dict[str, str] = {"safetensors": "safetensors", "torch": "pickle", "index": "sharded"}
+FORMATS: dict[str, str] = {"safetensors": "safetensors", "torch": "pickle", "index": "sharded",
+                           "dcp": "dcp"}
 
 # What save_pretrained writes for one file of weights: transformers (model.*, pytorch_model.*)
 # and diffusers (diffusion_pytorch_model.*). Sharded saves write NAME.index.json instead.
@@ -95,6 +99,12 @@ def resolve_checkpoint(path: str, *, format: str | None = None) -> ResolvedSourc
                               hint="check the path")
     if not os.path.isdir(path):
         return ResolvedSource(path, kind)
+    if is_dcp_folder(path) and kind in (None, "dcp"):
+        return ResolvedSource(path, "dcp")  # a DCP save is the folder itself
+    if kind == "dcp":
+        raise CheckpointError(f"{path}: not a DCP checkpoint (no {METADATA_NAME} in it)",
+                              path=path, hint="give the folder torch.distributed.checkpoint."
+                              "save wrote, which holds .metadata and *.distcp files")
     found = folder_candidates(path)
     if not found:
         raise CheckpointError(

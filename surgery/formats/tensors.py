@@ -21,7 +21,11 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
 
 
 # The kinds a file can be read as; `kind=` (the CLI's --format) names one when the suffix cannot.
-KINDS: tuple[str, ...] = ("safetensors", "pickle", "sharded")
+KINDS: tuple[str, ...] = ("safetensors", "pickle", "sharded", "dcp")
+
+
+# A folder holding this file is a torch.distributed.checkpoint (DCP) save (surgery.formats.dcp).
+DCP_METADATA = ".metadata"
 
 
 INDEX_SUFFIX = ".index.json"
@@ -121,7 +125,8 @@ class CheckpointInfo:
 
 
 def checkpoint_kind(path: str, *, kind: str | None = None) -> str:
-    """'safetensors', 'pickle' or 'sharded' from the file name (or `kind`, when given).
+    """'safetensors', 'pickle', 'sharded' from the file name, 'dcp' for a folder holding a DCP
+    ``.metadata`` (or `kind`, when given).
 
     Raises on a suffix it does not know: a file is read only as the kind it is named or said to
     be, never guessed from its bytes.
@@ -131,6 +136,8 @@ def checkpoint_kind(path: str, *, kind: str | None = None) -> str:
             raise CheckpointError(f"{path}: unknown checkpoint kind {kind!r}", path=path,
                                   hint=f"one of {', '.join(KINDS)}")
         return kind
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return "dcp"
     name = os.path.basename(path)
     if name.endswith(INDEX_SUFFIX):
         return "sharded"
@@ -142,6 +149,7 @@ def checkpoint_kind(path: str, *, kind: str | None = None) -> str:
         f"{path}: unknown checkpoint type {os.path.splitext(name)[1] or '(no suffix)'!r}",
         path=path,
         hint="give a .safetensors, .pt/.pth/.pth.tar/.ckpt/.bin file or a sharded *.index.json, "
+        "a DCP checkpoint folder (holding .metadata), "
         "name the format with --format safetensors|torch|index, "
         "or plan a live model with --model package.module:factory",
     )

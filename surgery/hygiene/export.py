@@ -21,6 +21,7 @@ from surgery.errors import (
     SurgeryError,
 )
 from surgery.formats.binding import bind
+from surgery.formats.dcp_source import open_checkpoint_source
 from surgery.formats.fingerprint import compute_fingerprint, model_keys
 from surgery.formats.keys import (
     FLAT_PARAM,
@@ -28,7 +29,7 @@ from surgery.formats.keys import (
 )
 from surgery.formats.manifest import Manifest, parse_manifest
 from surgery.formats.source import read_manifest_text
-from surgery.formats.stream import ProgressFn, open_source
+from surgery.formats.stream import ProgressFn
 from surgery.formats.tensors import (
     META_DROPPED,
     META_FINGERPRINT,
@@ -87,7 +88,7 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
     if manifest is not None:
         manifest_text = read_manifest_text(manifest)
         m = parse_manifest(manifest_text, path=manifest)
-    src = open_source(path, key=key, kind=kind)
+    src = open_checkpoint_source(path, key=key, kind=kind)
     try:
         if prefix is None and m is not None:
             prefix = manifest_prefix(m, src.info)

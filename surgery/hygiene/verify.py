@@ -18,6 +18,7 @@ from surgery.errors import (
 )
 from surgery.formats.binding import bind
 from surgery.formats.checkpoint import read_checkpoint
+from surgery.formats.dcp_source import open_checkpoint_source
 from surgery.formats.fingerprint import (
     ModelKeys,
     compute_fingerprint,
@@ -35,7 +36,7 @@ from surgery.formats.keys import (
 )
 from surgery.formats.manifest import Manifest
 from surgery.formats.source import load_manifest_file
-from surgery.formats.stream import ProgressFn, nbytes, open_source
+from surgery.formats.stream import ProgressFn, nbytes
 from surgery.formats.tensors import (
     META_FINGERPRINT,
     CheckpointInfo,
@@ -254,7 +255,7 @@ def _deep_findings(path: str, *, key: str | None, kind: str | None, info: Checkp
             "cast them in the training code, or before export: "
             "{k: v.float() if v.dtype == torch.float64 else v for k, v in sd.items()}",
             [f"{k} {list(info.tensors[k].shape)}" for k in f64[:EXAMPLES]]))
-    src = open_source(path, key=key, kind=kind)
+    src = open_checkpoint_source(path, key=key, kind=kind)
     try:
         seen: set[Any] = set()
         todo = []
