@@ -6,13 +6,11 @@ each rank wrote, plus where each chunk's bytes lie (file, offset, length). DCP's
 ``FileSystemReader.read_metadata`` reads it with a plain ``pickle.load``, which runs whatever
 the file names. So DCP's reader never sees this file here:
 
-- **What is executed.** Nothing from the file. The pickle is read by a restricted unpickler
-  whose ``find_class`` answers from a fixed table (`GLOBALS`) of the names DCP writes; every
-  answer is a stand-in defined in this module (a record that only stores what it is given, a
-  tuple for ``torch.Size``, a marker string for a dtype or layout). torch is not imported and
-  no DCP class is constructed from the file. Any other global (``os.system``, ``builtins.eval``,
-  a copyreg extension) is refused before anything is imported (`UnsafeCheckpointError`, exit 3),
-  and persistent ids are refused by the unpickler itself.
+- **What is executed.** Nothing from the file. The pickle is read by the restricted unpickler
+  of surgery.formats.dcp_pickle, whose ``find_class`` answers only from a fixed table of the
+  names DCP writes, each with a stand-in that stores what it is given. torch is not imported
+  and no DCP class is constructed from the file; any other global is refused before anything
+  is imported (`UnsafeCheckpointError`, exit 3).
 - **What is checked** after unpickling, since the stand-ins accept anything: every field's type;
   shapes of non-negative integers; chunks inside their tensor, not overlapping, and covering it
   exactly; each chunk's file a plain name inside the folder, and its byte range inside that file
@@ -28,13 +26,24 @@ bytes with DCP's own reader, handed metadata rebuilt from what was checked here.
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from surgery.errors import CheckpointError, UnsafeCheckpointError
+from surgery.errors import CheckpointError
+from surgery.formats.dcp_pickle import (
+    BytesMeta,
+    Chunk,
+    Index,
+    Metadata,
+    Properties,
+    Record,
+    StorageInfo,
+    TensorMeta,
+    TorchName,
+    load_metadata,
+    not_dcp,
+)
 from surgery.formats.pickled import CONTAINER_ENTRIES
 from surgery.formats.tensors import (
     _ST_ITEMSIZE,
@@ -42,134 +51,15 @@ from surgery.formats.tensors import (
     DCP_METADATA,
     CheckpointInfo,
     TensorInfo,
-    _require_file,
 )
 
 # The file DCP's FileSystemWriter writes beside the .distcp files (a folder holding it is a DCP
 # checkpoint) and the suffix of its data files.
 METADATA_NAME = DCP_METADATA
 DISTCP_SUFFIX = ".distcp"
-# A 1M-tensor model with a few chunks per tensor writes ~1 GB less than this; refuse more.
-MAX_METADATA_BYTES = 512 * 1024 * 1024
 # Top-level entries holding optimizer state in what trainers save ({"model": ..., "optim": ...}).
 OPTIMIZER_ENTRIES: tuple[str, ...] = ("optim", "optimizer", "optimizer_state_dict", "optimizers")
 _MAX_DIM = 2**62
-_HINT_REWRITE = ("save it again with torch.distributed.checkpoint.save from the trainer; a "
-                 ".metadata is written by DCP, never by hand")
-
-
-# --- stand-ins: what the restricted unpickler hands back ------------------------------------
-
-class _Record:
-    """A DCP dataclass read as data: NEWOBJ/REDUCE arguments and BUILD state, stored only."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
-        obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        obj.__dict__["_state"] = None
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__["_state"] = state
-
-    def get(self, name: str) -> Any:
-        state = self._state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict state, slot state)
-        return state.get(name) if isinstance(state, dict) else None
-
-
-class _Metadata(_Record):
-    pass
-
-
-class _TensorMeta(_Record):
-    pass
-
-
-class _BytesMeta(_Record):
-    pass
-
-
-class _Properties(_Record):
-    pass
-
-
-class _Chunk(_Record):
-    pass
-
-
-class _Index(_Record):
-    pass
-
-
-class _StorageMeta(_Record):
-    pass
-
-
-class _StorageInfo(_Record):
-    pass
-
-
-class TorchName(str):
-    """A dtype or layout the pickle named (``torch.float32``), as its name; never imported."""
-
-
-def _size(*args: Any) -> tuple[Any, ...]:
-    """``torch.Size(seq)`` as a tuple; its items are checked where a shape is used."""
-    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else ()
-
-
-def _layout(name: Any) -> TorchName:
-    return TorchName(name if isinstance(name, str) else "?")
-
-
-def _memory_format(value: Any) -> int:
-    return value if isinstance(value, int) else -1
-
-
-def _path(*parts: Any) -> str:
-    return "/".join(p for p in parts if isinstance(p, str))
-
-
-_META = "torch.distributed.checkpoint.metadata"
-_OLD_META = "torch.distributed._shard.sharded_tensor.metadata"  # TensorProperties before 2.1
-# (module, name) in the pickle -> what find_class returns. Nothing else is ever resolved.
-GLOBALS: dict[tuple[str, str], Any] = {
-    (_META, "Metadata"): _Metadata,
-    (_META, "TensorStorageMetadata"): _TensorMeta,
-    (_META, "BytesStorageMetadata"): _BytesMeta,
-    (_META, "TensorProperties"): _Properties,
-    (_OLD_META, "TensorProperties"): _Properties,
-    (_META, "ChunkStorageMetadata"): _Chunk,
-    (_META, "MetadataIndex"): _Index,
-    (_META, "StorageMeta"): _StorageMeta,
-    (_META, "_MEM_FORMAT_ENCODING"): _memory_format,
-    (_OLD_META, "MEM_FORMAT_ENCODING"): _memory_format,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): _path, ("pathlib", "WindowsPath"): _path, ("pathlib", "Path"): _path,
-    ("collections", "OrderedDict"): dict,
-    **{("torch", name): TorchName(f"torch.{name}") for name in _TORCH_TO_ST},
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = GLOBALS.get((module, name))
-        if found is None:
-            raise UnsafeCheckpointError(
-                f"{self.path}: refused: loading it would run code ({module[:80]}.{name[:80]}); "
-                "surgery never executes a checkpoint", path=self.path, hint=_HINT_REWRITE)
-        return found
 
 
 # --- what was read --------------------------------------------------------------------------
@@ -201,83 +91,58 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_NAME))
 
 
-def _bad(folder: str, what: str) -> CheckpointError:
-    return CheckpointError(f"{folder}: not a valid DCP checkpoint ({what})", path=folder,
-                           hint=_HINT_REWRITE)
-
-
-def load_metadata(folder: str) -> Any:
-    """The restricted unpickle of ``folder/.metadata`` (stand-ins only; see the module doc)."""
-    path = os.path.join(folder, METADATA_NAME)
-    size = _require_file(path)
-    if size > MAX_METADATA_BYTES:
-        raise _bad(folder, f"{METADATA_NAME} is {size} bytes, more than the "
-                           f"{MAX_METADATA_BYTES} allowed")
-    with open(path, "rb") as f:
-        data = f.read(MAX_METADATA_BYTES + 1)
-    try:
-        return _Unpickler(data, path).load()
-    except UnsafeCheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, OverflowError, MemoryError, RecursionError, UnicodeDecodeError
-            ) as e:
-        raise _bad(folder, f"{METADATA_NAME} is not a readable pickle: "
-                           f"{type(e).__name__}") from None
-
-
 def _shape(value: Any, folder: str, key: str, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(
             type(d) is int and 0 <= d < _MAX_DIM for d in value):
-        raise _bad(folder, f"{what} of {key[:80]!r} is not a shape of non-negative integers")
+        raise not_dcp(folder, f"{what} of {key[:80]!r} is not a shape of non-negative integers")
     return value
 
 
 def _dtype(props: Any, folder: str, key: str) -> str:
-    state = props._state if isinstance(props, _Properties) else None
+    state = props._state if isinstance(props, Properties) else None
     dtype = state[0] if isinstance(state, tuple) and state else \
-        props.get("dtype") if isinstance(props, _Properties) else None
+        props.get("dtype") if isinstance(props, Properties) else None
     layout = state[1] if isinstance(state, tuple) and len(state) > 1 else TorchName("torch.strided")
     if not isinstance(dtype, TorchName) or dtype.removeprefix("torch.") not in _TORCH_TO_ST:
-        raise _bad(folder, f"{key[:80]!r} has no dtype safetensors can hold")
+        raise not_dcp(folder, f"{key[:80]!r} has no dtype safetensors can hold")
     if layout != "torch.strided":
-        raise _bad(folder, f"{key[:80]!r} has layout {str(layout)[:40]}, not a dense tensor")
+        raise not_dcp(folder, f"{key[:80]!r} has layout {str(layout)[:40]}, not a dense tensor")
     return _TORCH_TO_ST[dtype.removeprefix("torch.")]
 
 
-def _storage_map(meta: _Metadata, folder: str) -> dict[tuple[str, tuple[int, ...]], _Record]:
+def _storage_map(meta: Metadata, folder: str) -> dict[tuple[str, tuple[int, ...]], Record]:
     storage = meta.get("storage_data")
     if not isinstance(storage, dict):
-        raise _bad(folder, "no storage_data")
-    out: dict[tuple[str, tuple[int, ...]], _Record] = {}
+        raise not_dcp(folder, "no storage_data")
+    out: dict[tuple[str, tuple[int, ...]], Record] = {}
     for index, info in storage.items():
-        if not isinstance(index, _Index) or not isinstance(info, _StorageInfo) or \
+        if not isinstance(index, Index) or not isinstance(info, StorageInfo) or \
                 not isinstance(index.get("fqn"), str):
-            raise _bad(folder, "a storage_data entry is not MetadataIndex -> _StorageInfo")
+            raise not_dcp(folder, "a storage_data entry is not MetadataIndex -> StorageInfo")
         offset = index.get("offset")
         out[(index.get("fqn"), offset if isinstance(offset, tuple) else ())] = info
     return out
 
 
-def _chunk_file(info: _Record, folder: str, key: str, sizes: dict[str, int]
+def _chunk_file(info: Record, folder: str, key: str, sizes: dict[str, int]
                 ) -> tuple[str, int, int]:
     name, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
             or "\\" in name or "\0" in name:
-        raise _bad(folder, f"a chunk of {key[:80]!r} names file {str(name)[:80]!r}, which is "
+        raise not_dcp(folder, f"a chunk of {key[:80]!r} names file {str(name)[:80]!r}, which is "
                            "not a plain file name inside the folder")
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise _bad(folder, f"a chunk of {key[:80]!r} has no valid byte range")
+        raise not_dcp(folder, f"a chunk of {key[:80]!r} has no valid byte range")
     if info.get("transform_descriptors"):
-        raise _bad(folder, f"{key[:80]!r} is stored through a transform "
+        raise not_dcp(folder, f"{key[:80]!r} is stored through a transform "
                            f"({str(info.get('transform_descriptors'))[:60]}), which is not read")
     if name not in sizes:
         full = os.path.join(folder, name)
         sizes[name] = os.path.getsize(full) if os.path.isfile(full) else -1
     if sizes[name] < 0:
-        raise _bad(folder, f"{name!r}, holding {key[:80]!r}, is missing")
+        raise not_dcp(folder, f"{name!r}, holding {key[:80]!r}, is missing")
     if offset + length > sizes[name]:
-        raise _bad(folder, f"{key[:80]!r} lies past the end of {name!r} (truncated copy?)")
+        raise not_dcp(folder, f"{key[:80]!r} lies past the end of {name!r} (truncated copy?)")
     return name, offset, length
 
 
@@ -287,10 +152,10 @@ def _check_tiling(folder: str, key: str, shape: tuple[int, ...], chunks: list[Dc
     for c in chunks:
         if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
                 o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)):
-            raise _bad(folder, f"a chunk of {key[:80]!r} lies outside its shape {list(shape)}")
+            raise not_dcp(folder, f"a chunk of {key[:80]!r} lies outside its shape {list(shape)}")
         total += _numel(c.sizes)
     if total != _numel(shape):
-        raise _bad(folder, f"the chunks of {key[:80]!r} do not cover it exactly")
+        raise not_dcp(folder, f"the chunks of {key[:80]!r} do not cover it exactly")
     if not shape:
         return
     ordered = sorted((c for c in chunks if _numel(c.sizes)), key=lambda c: c.offsets[0])
@@ -300,7 +165,7 @@ def _check_tiling(folder: str, key: str, shape: tuple[int, ...], chunks: list[Dc
                 break
             if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in
                    zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)):
-                raise _bad(folder, f"two chunks of {key[:80]!r} overlap")
+                raise not_dcp(folder, f"two chunks of {key[:80]!r} overlap")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -312,9 +177,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def read_dcp_metadata(folder: str) -> DcpCheckpoint:
     """Read and check a DCP folder's ``.metadata``: no tensor data is read, torch not imported."""
-    meta = load_metadata(folder)
-    if not isinstance(meta, _Metadata) or not isinstance(meta.get("state_dict_metadata"), dict):
-        raise _bad(folder, f"{METADATA_NAME} does not hold DCP Metadata")
+    meta = load_metadata(os.path.join(folder, METADATA_NAME), folder=folder)
+    if not isinstance(meta, Metadata) or not isinstance(meta.get("state_dict_metadata"), dict):
+        raise not_dcp(folder, f"{METADATA_NAME} does not hold DCP Metadata")
     storage = _storage_map(meta, folder)
     planner = meta.get("planner_data")
     planner = planner if isinstance(planner, dict) else {}
@@ -323,33 +188,33 @@ def read_dcp_metadata(folder: str) -> DcpCheckpoint:
                         if isinstance(meta.get("version"), str) else None)
     for key, item in meta.get("state_dict_metadata").items():
         if not isinstance(key, str):
-            raise _bad(folder, "a key is not a string")
+            raise not_dcp(folder, "a key is not a string")
         path = planner.get(key)
         out.paths[key] = tuple(str(p) for p in path) if isinstance(path, (tuple, list)) and \
             path and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path) \
             else (key,)
-        if isinstance(item, _BytesMeta):
+        if isinstance(item, BytesMeta):
             out.other.append(key)
             continue
-        if not isinstance(item, _TensorMeta):
-            raise _bad(folder, f"entry {key[:80]!r} is neither a tensor nor bytes")
+        if not isinstance(item, TensorMeta):
+            raise not_dcp(folder, f"entry {key[:80]!r} is neither a tensor nor bytes")
         shape = _shape(item.get("size"), folder, key, "the size")
         dtype = _dtype(item.get("properties"), folder, key)
         chunks: list[DcpChunk] = []
         listed = item.get("chunks")
         if not isinstance(listed, list):
-            raise _bad(folder, f"{key[:80]!r} lists no chunks")
+            raise not_dcp(folder, f"{key[:80]!r} lists no chunks")
         for c in listed:
-            if not isinstance(c, _Chunk):
-                raise _bad(folder, f"a chunk of {key[:80]!r} is not ChunkStorageMetadata")
+            if not isinstance(c, Chunk):
+                raise not_dcp(folder, f"a chunk of {key[:80]!r} is not ChunkStorageMetadata")
             offsets = _shape(c.get("offsets"), folder, key, "a chunk's offsets")
             csizes = _shape(c.get("sizes"), folder, key, "a chunk's sizes")
             info = storage.get((key, offsets))
             if info is None:
-                raise _bad(folder, f"a chunk of {key[:80]!r} has no storage entry")
+                raise not_dcp(folder, f"a chunk of {key[:80]!r} has no storage entry")
             name, off, length = _chunk_file(info, folder, key, sizes)
             if _numel(csizes) * _ST_ITEMSIZE[dtype] > length:
-                raise _bad(folder, f"a chunk of {key[:80]!r} claims more elements than its "
+                raise not_dcp(folder, f"a chunk of {key[:80]!r} claims more elements than its "
                                    f"{length} stored bytes hold")
             chunks.append(DcpChunk(offsets, csizes, name, off, length))
         _check_tiling(folder, key, shape, chunks)

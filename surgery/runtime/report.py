@@ -130,6 +130,14 @@ class ApplyReport(Sequence[RegionRecord]):
     def with_status(self, status: str) -> list[RegionRecord]:
         return [r for r in self.records if r.status == status]
 
+    def gather(self, *, dst: int = 0, group: Any = None) -> list[dict[str, Any]] | None:
+        """Every rank's report as data, on rank ``dst`` (None on the others); a collective:
+        every rank calls it. One process alone gets its own (surgery.runtime.distributed)."""
+        # Deferred: this module stays torch-free; the gather needs torch.distributed.
+        from surgery.runtime.distributed import gather_reports
+
+        return gather_reports(self, dst=dst, group=group)
+
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in ("compiled", "pending", "eager", "skipped")}
         for r in self.records:

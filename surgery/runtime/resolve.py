@@ -22,6 +22,7 @@ from surgery.formats.fingerprint import compute_fingerprint, model_keys
 from surgery.formats.keys import collision_error
 from surgery.formats.manifest import Manifest, Region, load_manifest
 from surgery.formats.ties import binding_variants, declared_ties, live_ties, ties_note
+from surgery.runtime.distributed import wrapped_child, wrapper_child
 from surgery.runtime.report import SurgeryWarning
 
 ENV_MANIFEST = "SURGERY_MANIFEST"
@@ -120,9 +121,9 @@ def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Modu
     mod_parts = parts if callable == "forward" else parts[:-1]
     mod: nn.Module = model
     for i, seg in enumerate(mod_parts):
-        children = dict(mod.named_children())
-        child = children.get(seg)
+        child = wrapped_child(mod, seg)  # through DDP's .module and the like
         if child is None:
+            children = dict(mod.named_children())
             here = ".".join(parts[:i]) or "the model"
             near = closest_name(seg, list(children))
             if near is None and callable == "forward" and i == len(mod_parts) - 1:
@@ -138,6 +139,8 @@ def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Modu
         return mod, "forward"
     name = parts[-1]
     owner = ".".join(parts[:-1]) or "the model"
+    while _own_method(type(mod), name) is None and (inner := wrapper_child(mod)) is not None:
+        mod = inner  # a method of the model itself, under DDP
     if isinstance(getattr(mod, name, None), nn.Module):
         raise RegionError(
             f"region path {path!r} names a submodule, not a method", region=path,

@@ -118,7 +118,10 @@ class _Watch:
         self._keys = [k for _, k, _ in entries]
         self._values = [v for _, _, v in entries]  # held, so their ids stay theirs
         self._ids = [id(v) for v in self._values]
-        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
+        # A DTensor (tensor parallel, FSDP2 at rest) has no data pointer of its own: its
+        # local shard is what a graph reads.
+        self._tensors = [getattr(v, "_local_tensor", v) for v in self._values
+                         if isinstance(v, torch.Tensor)]
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self.storages = {t.untyped_storage().data_ptr() for t in self._tensors}
 

@@ -37,6 +37,9 @@ The contract, which is what makes that safe:
   rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
   runs without a graph, one warning says so, and the path clones its outputs from then on.
   ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
+- **Collectives.** A path whose call issues a torch.distributed collective (a tensor-parallel
+  all-reduce) is never captured and runs its compiled code without a graph; the reason is in
+  its record (surgery.runtime.graphs.collectives holds the evidence).
 - **Streams.** Graphs replay on the caller's current stream; two region graphs must not run
   concurrently on different streams, since they share one pool of temporaries.
 """
@@ -52,6 +55,11 @@ from torch import nn
 
 from surgery.runtime.graphs import outputs
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer, Graph, WriteProbe
+from surgery.runtime.graphs.collectives import (
+    collective_counts,
+    holds_collective_reason,
+    issued_since,
+)
 from surgery.runtime.graphs.outputs import (
     MAX_OUTPUT_SETS,
     NO_USE_COUNT,
@@ -137,7 +145,12 @@ class RegionGraphs:
         room = len(self.graphs) < MAX_GRAPHS_PER_PATH
         early = n == 1 and room and self.ready is not None and self.ready(args, kwargs)
         probe = WriteProbe(tensors) if (n >= 2 or early) and room else None
+        before = collective_counts() if probe is not None else None
         out, ran = run_compiled(args, kwargs)
+        if before is not None and (issued := issued_since(before)):
+            self.disabled = holds_collective_reason(issued)  # never captured: see collectives
+            self.notes.append(self.disabled)
+            return out
         if ran and n == 2 and not room:
             self.notes.append(f"a signature beyond the first {MAX_GRAPHS_PER_PATH} runs "
                               "compiled without a graph (shapes vary from call to call?)")
