@@ -222,3 +222,19 @@ def test_cli_takes_the_folder(saved: str, tmp_path: Any) -> None:
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["verify", saved, "--format", "dcp"])
     assert result.exit_code == 0 and "dcp" in result.output, result.output
+
+
+def test_metadata_bounds_are_those_of_every_pickle(saved: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGERY_MAX_PICKLE_BYTES", "64")
+    with pytest.raises(CheckpointError, match="SURGERY_MAX_PICKLE_BYTES"):
+        read_checkpoint(saved, kind="dcp")
+    monkeypatch.delenv("SURGERY_MAX_PICKLE_BYTES")
+    # Lengths that claim more bytes than the file holds: refused, nothing allocated to hold
+    # them (a 1 TiB BINBYTES8 fails its allocation at once; a 2 GiB BINUNICODE is never read).
+    for data in (b"\x80\x04\x8e" + (2**40).to_bytes(8, "little") + b"x",
+                 b"\x80\x04X" + (2**31).to_bytes(4, "little") + b"x"):
+        with open(os.path.join(saved, METADATA_NAME), "wb") as f:
+            f.write(data)
+        with pytest.raises(CheckpointError, match="not a readable pickle"):
+            read_checkpoint(saved, kind="dcp")

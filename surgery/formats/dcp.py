@@ -15,8 +15,8 @@ the file names. So DCP's reader never sees this file here:
   shapes of non-negative integers; chunks inside their tensor, not overlapping, and covering it
   exactly; each chunk's file a plain name inside the folder, and its byte range inside that file
   and large enough for the chunk's elements; no storage transform (compression extensions).
-- **Bounds.** The file is at most ``MAX_METADATA_BYTES``. Unpickling is linear in its size (pickle
-  has no repeat opcode), so a 100 KB hostile file builds at most ~100 K small objects.
+- **Bounds.** Those of every pickle here (surgery.formats.pickle_bounds). Unpickling is linear
+  in the file's size (pickle has no repeat opcode): a 100 KB file builds ~100 K small objects.
 
 `read_dcp` returns the tensors (no tensor data is read) as a `CheckpointInfo`; non-tensor entries
 (DCP's "bytes" items, e.g. a ``step`` counter) are listed as ignored, never loaded (DCP loads

@@ -21,10 +21,10 @@ import pickle
 from typing import Any
 
 from surgery.errors import CheckpointError, UnsafeCheckpointError
-from surgery.formats.tensors import _TORCH_TO_ST, _require_file
+from surgery.formats.limits import limit, over, raise_hint, read_regular
+from surgery.formats.pickle_bounds import check_pickle_bytes
+from surgery.formats.tensors import _TORCH_TO_ST
 
-# A 1M-tensor model with a few chunks per tensor writes well under this; refuse more.
-MAX_METADATA_BYTES = 512 * 1024 * 1024
 HINT_REWRITE = ("save it again with torch.distributed.checkpoint.save from the trainer; a "
                 ".metadata is written by DCP, never by hand")
 
@@ -148,14 +148,23 @@ def not_dcp(folder: str, what: str) -> CheckpointError:
 
 
 def load_metadata(path: str, *, folder: str) -> Any:
-    """The restricted unpickle of the ``.metadata`` at `path` (stand-ins only; see above)."""
+    """The restricted unpickle of the ``.metadata`` at `path` (stand-ins only; see above).
+
+    Bounded as every pickle here is (surgery.formats.pickle_bounds, surgery.formats.limits):
+    at most ``SURGERY_MAX_PICKLE_BYTES``, a regular file, and its opcodes walked for lengths
+    past its end and allocations beyond its size before the unpickler sees a byte.
+    """
     name = os.path.basename(path)
-    size = _require_file(path)
-    if size > MAX_METADATA_BYTES:
-        raise not_dcp(folder, f"{name} is {size} bytes, more than the {MAX_METADATA_BYTES} "
-                              "allowed")
-    with open(path, "rb") as f:
-        data = f.read(MAX_METADATA_BYTES + 1)
+    try:
+        data = read_regular(path, max_bytes=limit("PICKLE_BYTES"))
+    except FileNotFoundError:
+        raise not_dcp(folder, f"no {name}") from None
+    except OverflowError as e:
+        raise CheckpointError(f"{path}: refused: " + over("PICKLE_BYTES", name, e.args[0]),
+                              path=path, hint=raise_hint("PICKLE_BYTES")) from None
+    except OSError as e:
+        raise not_dcp(folder, f"{name} cannot be read: {e}") from None
+    check_pickle_bytes(data, path=path)
     try:
         return _Unpickler(data, path).load()
     except UnsafeCheckpointError:
