@@ -66,6 +66,19 @@ class ModelSourceError(SurgeryError):
     """A `--model package.module:factory` that cannot be imported or built."""
 
 
+class EmptyPlanError(SurgeryError):
+    """`plan --input` found no region: an empty plan is a finding, never a success (exit 1).
+
+    `reasons` counts why modules were left out (reason -> modules), most common first.
+    """
+
+    exit_code = EXIT_FINDINGS
+
+    def __init__(self, message: str, *, reasons: dict[str, int], hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.reasons = reasons
+
+
 class OutputExistsError(SurgeryError):
     """Refusing to overwrite an existing output without --force."""
 

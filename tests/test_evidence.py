@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from surgery.planning.budgets import MAX_SPLIT
 from surgery.planning.evidence import RECOMPILE_BUDGET, choose_regions, coverage
 from surgery.planning.observation import Observation, fold_times
 from surgery.planning.observe import observe
@@ -88,13 +89,24 @@ def test_per_instance_int_index_within_budget_keeps_the_blocks() -> None:
     assert choice.evidence["blocks.2"]["signatures"] == ["x=f32[1,4,8], global_idx=2, no_grad"]
 
 
-def test_per_instance_int_index_beyond_budget_descends_into_the_blocks() -> None:
-    n = RECOMPILE_BUDGET + 2
+def test_a_group_over_budget_is_split_by_signature_before_anything_is_dropped() -> None:
+    n = RECOMPILE_BUDGET + 2  # six global_idx values: two compile groups of 4 and 2
+    _, choice = plan(Net(blocks=n).eval())
+    assert {f"blocks.{i}" for i in range(n)} <= set(choice.regions)
+    blocks = [g for g in choice.groups if g.paths[0].startswith("blocks.")]
+    assert sorted(len(g.paths) for g in blocks) == [2, 4]
+    assert len({g.name for g in blocks}) == 2 and all(g.name for g in blocks)
+    assert all(len(g.sigs) <= RECOMPILE_BUDGET for g in blocks)
+
+
+def test_per_instance_int_index_beyond_every_split_descends_into_the_blocks() -> None:
+    n = RECOMPILE_BUDGET * MAX_SPLIT + 1
     _, choice = plan(Net(blocks=n).eval())
     left = dict(choice.left_out)
     assert not any(r.startswith("blocks.") and r.count(".") == 1 for r in choice.regions)
     assert f"`global_idx` took {n} values (0, 1, 2, 3, ...)" in left["blocks.0"]
     assert "share one compiled callable" in left["blocks.0"]
+    assert f"even split into {MAX_SPLIT} groups" in left["blocks.0"]
     # Their MLPs hold one signature between them, so they share one compiled callable.
     assert {f"blocks.{i}.mlp" for i in range(n)} <= set(choice.regions)
 
@@ -210,11 +222,26 @@ def test_injected_clock_gives_total_and_self_times() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     obs = observe(model, lambda m: m(torch.randn(2, 8)), steps=1, timed_steps=1,
                   clock=lambda: next(ticks) / 1e3)
-    # Hooks tick in order: root pre, 0 pre, 0 post, 1 pre, 1 post, root post.
+    # Ticks: 2 for the watched phase; a bare step (start, end: 1 ms); a hooked step: start,
+    # root pre, 0 pre, 0 post, 1 pre, 1 post, root post, end (7 ms). The hooks cost 6 ms over
+    # 3 calls, 2 ms a call: the root's span (5 ms) loses 2 x 2 ms for the two calls inside it.
     assert obs.clock == "injected"
-    assert obs.total_ms == pytest.approx({"": 5.0, "0": 1.0, "1": 1.0})
-    assert obs.self_ms == pytest.approx({"": 3.0, "0": 1.0, "1": 1.0})
-    assert obs.step_ms == pytest.approx(5.0)
+    assert obs.bare_step_ms == pytest.approx(1.0) and obs.hooked_step_ms == pytest.approx(7.0)
+    assert obs.hook_ms_per_call == pytest.approx(2.0)
+    assert obs.total_ms == pytest.approx({"": 1.0, "0": 1.0, "1": 1.0})
+    assert obs.step_ms == pytest.approx(1.0)  # the bare step, not the root's hooks
+
+
+def test_a_step_through_forward_is_timed_around_the_step() -> None:
+    """A step that calls model.forward(x) never fires the root's hooks: the step is still
+    timed, and its children's calls are its share (issue 18, cause 1)."""
+    model = nn.Sequential(Mlp(), Mlp()).eval()
+    obs = observe(model, lambda m: m.forward(torch.randn(2, 8)), steps=2, timed_steps=2)
+    assert "" not in obs.total_ms  # the root was never called through __call__
+    assert obs.step_ms > 0 and obs.clock == "perf_counter"
+    choice = choose_regions(obs)
+    assert choice.regions == ["0", "1"]
+    assert choice.coverage["covered_share"] > 0
 
 
 def test_coverage_arithmetic() -> None:
@@ -225,7 +252,7 @@ def test_coverage_arithmetic() -> None:
            ("r", 3, 1.0)]
     calls = one + [(p, q + 6 if q >= 0 else -1, ms) for p, q, ms in one]
     fold_times(obs, calls)
-    obs.step_ms /= 2
+    obs.step_ms = 10.0
     cov = coverage(obs, ["a", "b.y", "r"])
     # a (4) + b.y (2) + r outside a (1): 7 of 10; r inside a counts once, inside a.
     assert cov["covered_ms"] == 7.0

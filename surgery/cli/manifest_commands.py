@@ -62,7 +62,12 @@ def _render_coverage(cov: dict[str, Any]) -> None:
     if "step_ms" not in cov:
         return
     click.echo(f"coverage: {cov['covered_share']:.1%} of the eager step inside regions "
-               f"({cov['covered_ms']:.2f} of {cov['step_ms']:.2f} ms, {cov['clock']})")
+               f"({cov['covered_ms']:.2f} of {cov['step_ms']:.2f} ms, {cov['clock']}, timed "
+               "around the step without hooks)")
+    if "names_covered_share" in cov:
+        kept = "names-only" if cov.get("chosen") == "names" else "evidence"
+        click.echo(f"  evidence {cov['covered_share']:.1%} of the step, names-only "
+                   f"{cov['names_covered_share']:.1%}: kept the {kept} plan")
     for r in cov.get("remainder", []):
         click.echo(f"  eager {r['share']:>6.1%} {r['ms']:>9.3f} ms  {r['path']}")
 
@@ -106,10 +111,12 @@ def _render_coverage(cov: dict[str, Any]) -> None:
               "each call several-fold (benchmarks/RESULTS.md; the contract is in "
               "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
 @click.option("--input", "input_spec", metavar="PKG.MOD:STEP", callback=_factory_spec,
-              help="With --model: plan from evidence. STEP(model) runs one step (e.g. "
-              "surgery.examples:stream_step streams one frame); plan runs it --steps times "
+              help="With --model: plan from evidence. STEP(model) runs one step: it may call "
+              "model(x), model.forward(x), a method such as model.generate(...), or a loop "
+              "(e.g. surgery.examples:stream_step streams one frame); plan runs it --steps times "
               "eagerly, records every module call's signature and time, and makes regions of "
-              "the subtrees that keep one shape. The manifest gets [coverage].")
+              "the subtrees that keep one shape. The manifest gets [coverage]. No region found: "
+              "exit 1, with the reasons.")
 @click.option("--steps", type=click.IntRange(1, 1000), default=4, show_default=True,
               help="With --input: how many steps to watch (enough for a cache to show growth).")
 @click.option("--device", default="cpu", show_default=True, metavar="DEVICE",

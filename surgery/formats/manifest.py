@@ -76,6 +76,13 @@ class Region:
     # kind = "piecewise": where the block splits and what grows (surgery.runtime.piecewise):
     # {"split_ops": [...], "dynamic": ["past_key_values:2", "self.attn.kv_cache"]}.
     piecewise: dict[str, Any] | None = None
+    # plan --input: its signatures differ only in sizes, in these argument dims; it compiles once
+    # with dynamic shapes, and its recorded signatures show `*` there.
+    dynamic: bool = False
+    dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
+    # Regions of one function and weight layout share compiled code unless their groups differ
+    # (plan --input names one when it splits such paths by signature to keep each in budget).
+    group: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "callable": self.callable,
@@ -86,6 +93,11 @@ class Region:
             d["parameters"] = self.parameters
         if self.compile:
             d["compile"] = dict(self.compile)
+        if self.dynamic:
+            d["dynamic"] = True
+            d["dynamic_dims"] = {k: list(v) for k, v in self.dynamic_dims.items()}
+        if self.group is not None:
+            d["group"] = self.group
         d["paths"] = list(self.paths)
         if self.evidence is not None:
             d["evidence"] = dict(self.evidence)
@@ -100,7 +112,10 @@ class Region:
                    module_class=d.get("class"), parameters=d.get("parameters"),
                    compile=dict(d.get("compile", {})),
                    evidence=dict(d["evidence"]) if "evidence" in d else None,
-                   piecewise=dict(d["piecewise"]) if "piecewise" in d else None)
+                   piecewise=dict(d["piecewise"]) if "piecewise" in d else None,
+                   dynamic=bool(d.get("dynamic", False)),
+                   dynamic_dims={k: list(v) for k, v in d.get("dynamic_dims", {}).items()},
+                   group=d.get("group"))
 
 
 @dataclass

@@ -16,7 +16,10 @@ and both were proposed by the planner on LingBot-Map's real camera and depth hea
     index annotated as a tensor is data, not an index;
   - the container's name (``global_blocks``), the only sign a checkpoint shows.
 - **Single layers**: a block that is one ``Conv2d``, ``ConvTranspose2d``, ``Linear`` or norm (one
-  module owning tensors) is one op; as a region it gains nothing and costs a graph launch.
+  module owning tensors) is one op; as a region it gains nothing and costs a graph launch. So is
+  a module owning exactly one tensor and nothing else: LayerScale (``ls1``, ``ls2``: one multiply
+  by a learned vector). On a real streaming model 56 of a names-only plan's 160 region paths
+  were LayerScales; leaving them out made it 8% faster and 1.7 GiB lighter (issue 18).
 
 Streaming blocks are left out with the reason. Where the state comes in through ``forward``, their
 fixed-shape parts (children that take no cache and are more than one layer) are planned instead.
@@ -103,12 +106,20 @@ def single_layer(view: ModelView, path: str) -> str | None:
         return None
     owner = next(p for p in view.subtree(path) if view.modules[p].tensors)
     node = view.modules[owner]
+    if len(node.tensors) == 1 and not node.library_layer:
+        return f"{node.cls or 'module'} owning one tensor ({next(iter(node.tensors))})"
     if view.live and not node.library_layer and not set(node.tensors) <= LAYER_TENSORS:
         return None
     return node.cls or "layer"
 
 
-def fixed_parts(view: ModelView, path: str) -> list[str]:
+def single_layer_reason(layer: str) -> str:
+    """Why a single layer (single_layer's answer) is never a region."""
+    return f"a single {layer}: one op gains nothing as a region and costs a graph launch"
+
+
+def fixed_parts(view: ModelView, path: str,
+                skipped: list[tuple[str, str]] | None = None) -> list[str]:
     """The largest parts of streaming block `path` that hold one shape and can pay.
 
     A child that streams itself (an attention module taking the cache) is searched in turn;
@@ -123,7 +134,12 @@ def fixed_parts(view: ModelView, path: str) -> list[str]:
     stack = list(reversed(view.children(path)))
     while stack:
         child = stack.pop()
-        if not view.has_tensors(child) or single_layer(view, child) is not None:
+        if not view.has_tensors(child):
+            continue
+        layer = single_layer(view, child)
+        if layer is not None:
+            if skipped is not None:
+                skipped.append((child, single_layer_reason(layer)))
             continue
         if stream_reason(view, child) is not None:
             stack.extend(reversed(view.children(child)))

@@ -8,13 +8,16 @@ The rule, and why:
   no Python, so a KV cache appended to in ``forward`` would stop growing), (2) the same signature
   always ran the same ops on the same shapes inside (else it hides state), both judged on the
   steps after the first (state built once, such as a lazy table, changes only in the first),
-  (3) it was called under one autocast/grad state (a captured graph replays one), and (4) the
-  paths sharing its compiled callable show at most ``RECOMPILE_BUDGET`` signatures together
-  (each is a compile and a graph). It is *worth* a graph when it runs more than one op a call
-  and, where timed, holds at least ``MIN_SHARE`` of the step (a graph replay costs about what one
-  launch costs).
-- A subtree that is not fixed is **descended into**: its fixed children become regions, and it
-  goes under ``[[left_out]]`` with the evidence ("`global_idx` took 24 values").
+  (3) it was called under one autocast/grad state (a captured graph replays one; ``no_grad`` and
+  ``inference_mode`` are one state), and (4) its compile group (surgery.planning.budgets: one
+  function, one weight layout, split by signature) shows at most ``RECOMPILE_BUDGET`` signatures;
+  a path whose signatures differ only in sizes is a dynamic region instead. It is *worth* a
+  graph when it runs more than one op a call and, where timed, holds at least ``MIN_SHARE`` of
+  the bare step (a graph replay costs about what one launch costs).
+- **Every module gets one fate**: a region, inside a region, or under ``[[left_out]]`` with the
+  reason. A subtree that is not fixed, or fixed but not worth a graph ("not worth a graph: 1 op a
+  call"), is **descended into**: its children are judged in turn, and it is recorded with the
+  evidence ("`global_idx` took 24 values"). So is a module never called in the watched steps.
 - **Method regions** (``attn_pre``, ``ffn_residual``, ``--include path.method``) come from names;
   the evidence decides whether they are fixed.
 - A module shared by several parents (one RoPE module inside every attention) is a region when
@@ -35,13 +38,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from surgery.planning.budgets import RECOMPILE_BUDGET, Group, plan_groups, sizes_only
 from surgery.planning.observation import Call, Observation
-from surgery.runtime.signatures import Signature, render
+from surgery.runtime.signatures import Signature, render, wildcard
 
-RECOMPILE_BUDGET = 4  # signatures one compiled callable may take (dynamo's limit is 8)
+__all__ = ["MIN_SHARE", "NEVER_CALLED", "OBSERVED", "RECOMPILE_BUDGET", "Choice", "Verdict",
+           "choose_regions", "coverage", "evidence_of", "judge", "shares", "why_varies"]
+
 MIN_SHARE = 0.001  # of the step's time, for a region to be worth a graph
 OBSERVED = "observed"  # the kind of a region found by evidence alone
 _REMAINDERS = 8
+OUTSIDE = "(step, outside every module call)"  # the remainder that no module's hooks see
 
 
 @dataclass
@@ -51,6 +58,8 @@ class Verdict:
     path: str
     calls: list[Call]
     reasons: list[str] = field(default_factory=list)
+    # The dims that varied, when more signatures than the budget differ only in sizes.
+    dynamic_dims: dict[str, list[int]] | None = None
 
     @property
     def fixed(self) -> bool:
@@ -69,6 +78,7 @@ class Choice:
     left_out: list[tuple[str, str]]  # (path, reason)
     evidence: dict[str, dict[str, Any]]
     coverage: dict[str, Any]
+    groups: list[Group] = field(default_factory=list)  # compile groups of the regions
 
 
 def _quote(name: str) -> str:
@@ -180,17 +190,13 @@ def judge(path: str, calls: list[Call], all_calls: list[Call]) -> Verdict:
                              f"{_inner_evidence(f, c, all_calls)}")
             break
     n_sigs = len({c.sig for c in calls})
-    if n_sigs > RECOMPILE_BUDGET:
+    if n_sigs > RECOMPILE_BUDGET and not v.reasons:
+        v.dynamic_dims = sizes_only(calls)
+    if n_sigs > RECOMPILE_BUDGET and v.dynamic_dims is None:
         why = "; ".join(_arg_evidence(calls)) or "signatures differ"
         v.reasons.append(f"{n_sigs} signatures, beyond the recompile budget of "
                          f"{RECOMPILE_BUDGET}: {why}")
     return v
-
-
-def _children(paths: Sequence[str], path: str) -> list[str]:
-    depth = path.count(".") + 1 if path else 0
-    pre = f"{path}." if path else ""
-    return [p for p in paths if p.startswith(pre) and p and p.count(".") == depth]
 
 
 def _enclosing(call: Call, regions: set[str], calls: list[Call]) -> str | None:
@@ -201,74 +207,93 @@ def _enclosing(call: Call, regions: set[str], calls: list[Call]) -> str | None:
     return calls[p].path if p >= 0 else None
 
 
-def _budget_breaches(obs: Observation, chosen: list[str], by_path: dict[str, list[Call]]
-                     ) -> dict[str, str]:
-    """Paths whose shared compiled callable would take more signatures than the budget."""
-    groups: dict[str, list[str]] = {}
-    for p in chosen:
-        groups.setdefault(obs.callables.get(p, p), []).append(p)
-    out = {}
-    for fn, paths in groups.items():
-        sigs = {(obs.structure.get(p), c.sig) for p in paths for c in by_path[p]}
-        if len(sigs) <= RECOMPILE_BUDGET:
-            continue
-        calls = [c for p in paths for c in by_path[p]]
-        why = "; ".join(_arg_evidence(calls)) or "their tensors' shapes differ"
-        for p in paths:
-            out[p] = (f"its {len(paths)} paths share one compiled callable ({fn.rsplit('.', 1)[-1]}"
-                      f") and show {len(sigs)} signatures together, beyond the recompile "
-                      f"budget of {RECOMPILE_BUDGET}: {why}")
+def _kids_index(paths: Sequence[str]) -> dict[str, list[str]]:
+    kids: dict[str, list[str]] = {}
+    for p in paths:
+        if p:
+            kids.setdefault(p.rpartition(".")[0], []).append(p)
+    return kids
+
+
+def _below(kids: dict[str, list[str]], path: str) -> list[str]:
+    """Every module strictly below ``path``."""
+    out, stack = [], list(kids.get(path, ()))
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(kids.get(p, ()))
     return out
+
+
+NEVER_CALLED = "never called in the watched steps: nothing to judge it by"
 
 
 def choose_regions(obs: Observation, *, methods: Sequence[str] = (),
                    include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Choice:
-    """Regions from evidence: maximal fixed subtrees worth a graph, plus fixed methods."""
+    """Regions from evidence: maximal fixed subtrees worth a graph, plus fixed methods.
+
+    Every module but the root ends as a region, inside one, or under ``left_out`` with a reason.
+    """
     by_path = obs.by_path()
-    paths = list(obs.classes)
+    kids = _kids_index(list(obs.classes))
     verdicts = {p: judge(p, cs, obs.calls) for p, cs in by_path.items()}
-    left: dict[str, str] = {}
+    dynamic = {p: v.dynamic_dims for p, v in verdicts.items() if v.dynamic_dims}
     breaches: dict[str, str] = {}
-    share = _shares(obs)
+    share = shares(obs)
 
     def forced(p: str) -> bool:
         return any(fnmatch.fnmatchcase(p, g) for g in include)
 
-    def worth(p: str) -> bool:
+    def unworthy(p: str) -> str | None:
         calls = by_path[p]
         ops = sum(c.subtree_ops for c in calls) / len(calls)
-        return ops > 1 and (not obs.clock or share.get(p, 0.0) >= MIN_SHARE)
+        if ops <= 1:
+            return f"not worth a graph: {ops:g} op{'' if ops == 1 else 's'} a call"
+        if obs.clock and share.get(p, 0.0) < MIN_SHARE:
+            return (f"not worth a graph: under {MIN_SHARE:.1%} of the step "
+                    f"({share.get(p, 0.0):.3%})")
+        return None
 
-    def visit(p: str, chosen: list[str]) -> None:
-        if any(fnmatch.fnmatchcase(p, g) for g in exclude):
+    def visit(p: str, chosen: list[str], left: dict[str, str]) -> None:
+        glob = next((g for g in exclude if fnmatch.fnmatchcase(p, g)), None)
+        if p and glob is not None:
             left[p] = "excluded by --exclude"
+            for d in _below(kids, p):
+                left[d] = f"inside {p}, excluded by --exclude {glob!r}"
             return
         v = verdicts.get(p)
         if p and (forced(p) or (v is not None and v.fixed and p not in breaches)):
-            if forced(p) or worth(p):
+            why = None if forced(p) else unworthy(p)
+            if why is None:
                 chosen.append(p)
-            return
-        if p and v is not None:
+                return
+            left[p] = why
+        elif p and v is None:
+            left[p] = NEVER_CALLED
+        elif p and v is not None:
             left[p] = "; ".join(v.reasons) if v.reasons else breaches[p]
-        for kid in _children(paths, p):
-            visit(kid, chosen)
+        for kid in kids.get(p, ()):
+            visit(kid, chosen, left)
 
     while True:
         chosen: list[str] = []
-        visit("", chosen)
+        left: dict[str, str] = {}
+        visit("", chosen, left)
         for m in methods:
             v = verdicts.get(m)
-            if m in breaches or v is None:
-                continue
             inside = [r for r in chosen if m.startswith(f"{r}.")]
-            if not v.fixed and not forced(m):
+            if v is None:
+                left[m] = NEVER_CALLED
+            elif m in breaches:
+                left[m] = breaches[m]
+            elif not v.fixed and not forced(m):
                 left[m] = "; ".join(v.reasons)
             elif inside:
                 left[m] = f"inside region {inside[0]}"
             else:
                 chosen.append(m)
-        new = {p: r for p, r in _budget_breaches(obs, chosen, by_path).items()
-               if not forced(p)}
+        _, over = plan_groups(obs, chosen, by_path, dynamic, why_varies)
+        new = {p: r for p, r in over.items() if not forced(p)}
         if not new:
             break
         breaches.update(new)
@@ -278,21 +303,32 @@ def choose_regions(obs: Observation, *, methods: Sequence[str] = (),
         if all(e is not None for e in encl):
             left[p] = f"runs only inside region {encl[0]}"
             regions.discard(p)
+            for d in _below(kids, p) if p in obs.classes else ():
+                left[d] = f"inside {p}, which runs only inside region {encl[0]}"
     final = [p for p in chosen if p in regions]
-    evidence = {p: _evidence(verdicts[p], share.get(p)) for p in final}
-    return Choice(final, sorted(left.items()), evidence, coverage(obs, final))
+    groups, _ = plan_groups(obs, final, by_path, dynamic, why_varies)
+    evidence = {p: evidence_of(verdicts[p], share.get(p)) for p in final}
+    return Choice(final, sorted(left.items()), evidence, coverage(obs, final), groups)
 
 
-def _evidence(v: Verdict, share: float | None) -> dict[str, Any]:
+def why_varies(calls: list[Call]) -> str:
+    """What varies across the calls, in words (for a budget reason)."""
+    return "; ".join(_arg_evidence(calls))
+
+
+def evidence_of(v: Verdict, share: float | None) -> dict[str, Any]:
     steps = len({c.step for c in v.calls}) or 1
-    out: dict[str, Any] = {"signatures": [s.render() for s in v.signatures[:RECOMPILE_BUDGET]],
+    sigs = v.signatures
+    if v.dynamic_dims:
+        sigs = list(dict.fromkeys(wildcard(s, v.dynamic_dims) for s in sigs))
+    out: dict[str, Any] = {"signatures": [s.render() for s in sigs[:RECOMPILE_BUDGET]],
                            "calls_per_step": round(len(v.calls) / steps, 3)}
     if share is not None:
         out["share"] = round(share, 5)
     return out
 
 
-def _shares(obs: Observation) -> dict[str, float]:
+def shares(obs: Observation) -> dict[str, float]:
     """Each path's total time as a share of the step (all its calls)."""
     if not obs.step_ms:
         return {}
@@ -328,15 +364,20 @@ def coverage(obs: Observation, regions: Sequence[str]) -> dict[str, Any]:
             rest[key] = rest.get(key, 0.0) + max(0.0, ms - child_ms[i])
     n = obs.timed_steps or 1
     step = obs.step_ms
+    # The step's own time outside every module call (the driver's Python, a sampler, a loop).
+    top = sum(ms for _path, parent, ms in calls if parent < 0) / n
+    if step > top:
+        rest[OUTSIDE] = (step - top) * n
     remainders = [{"path": p or "(model)", "ms": round(ms / n, 4), "share": round(ms / n / step, 4)}
                   for p, ms in sorted(rest.items(), key=lambda kv: -kv[1])[:_REMAINDERS]
                   if ms > 0]
     out: dict[str, Any] = {
         "clock": obs.clock, "timed_steps": n, "step_ms": round(step, 4),
-        "covered_ms": round(covered / n, 4),
+        "covered_ms": round(min(covered / n, step), 4),
         "covered_share": round(min(1.0, covered / n / step), 4),
     }
     if obs.bare_step_ms and obs.hooked_step_ms:
+        out["hooked_step_ms"] = round(obs.hooked_step_ms, 4)
         out["hook_overhead_ms"] = round(max(0.0, obs.hooked_step_ms - obs.bare_step_ms), 4)
     if obs.watched_step_ms:
         out["watched_step_ms"] = round(obs.watched_step_ms, 4)

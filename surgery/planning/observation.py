@@ -47,12 +47,13 @@ class Observation:
     total_ms: dict[str, float] = field(default_factory=dict)
     self_ms: dict[str, float] = field(default_factory=dict)
     # Total of each path's calls that ran outside the given calls (filled by the planner).
-    step_ms: float = 0.0  # the model's own calls per timed step (root module calls)
+    step_ms: float = 0.0  # the bare step (no hooks), timed around STEP itself: shares are of it
     timed_steps: int = 0
     clock: str = ""  # "cuda-events" | "perf_counter" | "injected" | "" (not timed)
     bare_step_ms: float = 0.0  # a step without hooks, for the hooks' overhead
     hooked_step_ms: float = 0.0  # a step with the timing hooks
     watched_step_ms: float = 0.0  # a step while watched (hooks and the function mode)
+    hook_ms_per_call: float = 0.0  # the hooks' overhead per timed call, taken off each span
     timed_calls: list[tuple[str, int, float]] = field(default_factory=list)  # path, parent, ms
 
     def by_path(self) -> dict[str, list[Call]]:
@@ -132,18 +133,32 @@ class _Timer:
         return out
 
 
-def fold_times(obs: Observation, calls: list[tuple[str, int, float]]) -> None:
-    """Per-path total and self time from timed calls (self = total - direct children)."""
-    child_sum = [0.0] * len(calls)
-    for _path, parent, ms in calls:
+def fold_times(obs: Observation, calls: list[tuple[str, int, float]], *,
+               overhead_ms: float = 0.0, scale: float = 1.0) -> None:
+    """Per-path total and self time from timed calls (self = total - direct children).
+
+    Each span is first corrected for the hooks of the calls nested inside it: ``overhead_ms``
+    (the hooks' cost per call) for every descendant, but never below ``scale`` (bare step /
+    hooked step) times the span. The floor matters where the step's time is noisy: an
+    overhead taken from two noisy steps could otherwise zero the span of a large subtree, whose
+    many descendants each take it off. Calls come in the order they began, so a parent's index
+    is below its children's and one backward pass counts the descendants.
+    """
+    below = [0] * len(calls)
+    for i in range(len(calls) - 1, -1, -1):
+        parent = calls[i][1]
+        if parent >= 0:
+            below[parent] += below[i] + 1
+    fixed = [(path, parent, max(ms * scale, ms - overhead_ms * below[i]))
+             for i, (path, parent, ms) in enumerate(calls)]
+    child_sum = [0.0] * len(fixed)
+    for _path, parent, ms in fixed:
         if parent >= 0:
             child_sum[parent] += ms
-    for i, (path, parent, ms) in enumerate(calls):
+    for i, (path, _parent, ms) in enumerate(fixed):
         obs.total_ms[path] = obs.total_ms.get(path, 0.0) + ms
         obs.self_ms[path] = obs.self_ms.get(path, 0.0) + max(0.0, ms - child_sum[i])
-        if parent < 0 and path == "":
-            obs.step_ms += ms
-    obs.timed_calls = calls
+    obs.timed_calls = fixed
 
 
 def _sync(cuda: bool) -> None:

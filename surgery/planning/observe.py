@@ -12,10 +12,22 @@ What it records, and why each thing is needed to choose a compile region:
 - **Python state it changed**: containers, tensors and scalars in the module's ``__dict__`` (not
   parameters, buffers or submodules), and list/dict arguments it mutated. A graph replay runs no
   Python, so such a call cannot be replayed.
-- **Time**, in a second phase without the function mode: CUDA events around each call on a GPU
-  (the span on the stream: kernel time when GPU-bound, launch time when launch-bound), the
-  perf_counter elsewhere, or a clock the caller injects (tests). Self time is total minus the
-  direct children's totals.
+- **Time**, in two more phases without the function mode. First the *bare* step: STEP itself,
+  timed around its call (a synchronise before and after on a GPU), with no hook installed. That
+  is the figure that counts (the fastest bare step), and every share is a share of it: a step may never go through the
+  root module's ``__call__`` (``model.forward(x)``, ``model.generate(...)``, a loop), so the
+  root's hooks cannot time it. Then the *hooked* step: CUDA events recorded around each module
+  call on a GPU (no synchronise per call), the perf_counter elsewhere, or a clock the caller
+  injects (tests). Self time is total minus the direct children's totals.
+- **The hooks' overhead** inflates every span by the hooks of the calls inside it (on a
+  launch-bound GPU step the host's hook time delays the launches, so the events see it too).
+  Per call it is (hooked step - bare step) / calls a step; each call's span is corrected by that
+  much for every call nested inside it, never below the span scaled by bare / hooked
+  (surgery.planning.observation.fold_times). What remains is the error of that average (hooks
+  differ in cost, and a GPU-bound span hides host time), so ``hook_overhead_ms`` is reported
+  beside the corrected figures.
+- **A step that never reached the model** (no module call seen while watched, none timed, or no
+  measurable step time) is an error: a plan from it would be empty for no visible reason.
 
 Methods (``attn_pre``, ``--include path:method``) are watched by wrapping them on the instance for
 the duration; everything is removed afterwards, even when a step fails.
@@ -186,10 +198,12 @@ class _Watcher:
 def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 4,
             timed_steps: int = 3, methods: Sequence[str] = (), clock: Clock | None = None,
             autocast: torch.dtype | None = None) -> Observation:
-    """Run ``step(model)`` ``steps`` times watched, then ``timed_steps`` more timed.
+    """Run ``step(model)`` ``steps`` times watched, then ``timed_steps`` bare and as many hooked.
 
-    Times are per step (summed over a path's calls, averaged over the timed steps). With
-    ``autocast`` every step runs under ``torch.autocast`` of the model's device type.
+    Module times are per step (summed over a path's calls, averaged over the hooked steps, and
+    corrected for the hooks' overhead); ``step_ms`` is the fastest bare step, timed around STEP.
+    With ``autocast`` every step runs under ``torch.autocast`` of the model's device type.
+    Raises ModelSourceError when the step runs no module of the model.
     """
     p = next(iter(model.parameters()), None)
     dev = p.device.type if p is not None else "cpu"
@@ -208,6 +222,16 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
                                    hint="make the --input callable run one step of the model "
                                    "it is given, e.g. model(example)") from None
 
+    clock_fn = clock or time.perf_counter
+
+    def timed() -> float:
+        """One step, timed around STEP itself (ms)."""
+        _sync(cuda)
+        t = clock_fn()
+        run()
+        _sync(cuda)
+        return (clock_fn() - t) * 1e3
+
     obs = Observation(steps=steps)
     for path, mod in model.named_modules():
         obs.classes[path] = type(mod).__name__
@@ -219,7 +243,6 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
         mod_path, _, name = mp.rpartition(".")
         fn = getattr(type(model.get_submodule(mod_path)), name)
         obs.callables[mp] = f"{fn.__module__}.{fn.__qualname__}"
-    clock_fn = clock or time.perf_counter
     t0 = clock_fn()
     with _Watcher(model, methods=methods) as w, _Recorder(w):
         for i in range(steps):
@@ -228,25 +251,43 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
     _sync(cuda)
     obs.watched_step_ms = (clock_fn() - t0) * 1e3 / steps
     obs.calls = w.calls
+    if not w.calls:
+        raise ModelSourceError(
+            f"the --input step ran no module of the {type(model).__name__} it was given "
+            f"({steps} step(s) watched, no module call seen)",
+            hint="make STEP(model) run the model it receives: model(x), model.forward(x), "
+                 "model.generate(...) or a loop over them; not a model of its own")
     if timed_steps <= 0:
         return obs
-    t0 = clock_fn()
-    run()  # a bare step: the hooks' overhead is the difference
-    _sync(cuda)
-    obs.bare_step_ms = (clock_fn() - t0) * 1e3
+    bare = [timed() for _ in range(timed_steps)]  # no hook installed: the figure that counts
     timer = _Timer(model, cuda=cuda, clock=clock, methods=methods)
-    t0 = clock_fn()
     with timer:
-        for _ in range(timed_steps):
-            run()
-    _sync(cuda)
-    obs.hooked_step_ms = (clock_fn() - t0) * 1e3 / timed_steps
-    fold_times(obs, timer.calls_ms())
+        hooked = [timed() for _ in range(timed_steps)]
+    # The fastest of each: a shared host preempts steps at random, and a preempted step says
+    # nothing about the model (timeit's rule).
+    obs.bare_step_ms = min(bare)
+    obs.hooked_step_ms = min(hooked)
+    calls = timer.calls_ms()
+    if not calls or obs.bare_step_ms <= 0:
+        what = "no module call was timed" if not calls else "the step took no measurable time"
+        raise ModelSourceError(f"the --input step could not be timed: {what}",
+                               hint="make STEP(model) run the model on every call (not a "
+                                    "cached result), and time at least one step")
+    per_call = max(0.0, obs.hooked_step_ms - obs.bare_step_ms) * timed_steps / len(calls)
+    fold_times(obs, calls, overhead_ms=per_call,
+               scale=min(1.0, obs.bare_step_ms / obs.hooked_step_ms)
+               if obs.hooked_step_ms > 0 else 1.0)
+    # On a noisy host the module calls can still add up to more than the bare step: scale them
+    # down to it, so that no share exceeds the step and the remainders add up.
+    top = sum(ms for _p, parent, ms in obs.timed_calls if parent < 0) / timed_steps
+    fit = min(1.0, obs.bare_step_ms / top) if top > 0 else 1.0
+    obs.timed_calls = [(p, parent, ms * fit) for p, parent, ms in obs.timed_calls]
     for d in (obs.total_ms, obs.self_ms):
         for k in d:
-            d[k] /= timed_steps
-    obs.step_ms /= timed_steps
+            d[k] *= fit / timed_steps
+    obs.step_ms = obs.bare_step_ms
     obs.timed_steps = timed_steps
+    obs.hook_ms_per_call = per_call
     obs.clock = "injected" if clock is not None else ("cuda-events" if timer.cuda
                                                       else "perf_counter")
     return obs

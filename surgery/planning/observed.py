@@ -2,9 +2,14 @@
 
 Data flow: factory -> model on ``device`` (real tensors: it must run) -> surgery.planning.observe
 (calls, ops, state changes, times) -> surgery.planning.evidence (regions, left-out with evidence,
-coverage) -> Manifest with ``[region.evidence]`` and ``[coverage]``. The fingerprint is the same as
-a plan of the same factory without ``--input``: the model's weights are not cast (``dtype`` is
-autocast, as streaming models deploy).
+coverage) -> surgery.planning.compare (the names-only plan judged by the same run; the better is
+kept) -> Manifest with ``[region.evidence]`` and ``[coverage]``, one region per compile group
+(surgery.planning.budgets). The fingerprint is the same as a plan of the same factory without
+``--input``: the model's weights are not cast (``dtype`` is autocast, as streaming models deploy).
+
+In process, ``plan_from_step(model, step)`` does the same for a model you already hold; STEP may
+call ``model(x)``, ``model.forward(x)``, a method (``model.generate(...)``) or drive a loop. A plan
+with no region raises ``EmptyPlanError`` (exit 1 in the CLI) with the reasons counted.
 """
 
 from __future__ import annotations
@@ -14,16 +19,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from surgery.errors import ModelSourceError, RegionError
+from surgery.errors import EmptyPlanError, ModelSourceError, RegionError
 from surgery.formats.binding import binding_fields
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, DEFAULT_WARMUP, LeftOut, Manifest, Region
 from surgery.formats.source import load_factory
-from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, choose_regions
+from surgery.planning.compare import best_of
+from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, Choice, choose_regions
 from surgery.planning.evidence import coverage as step_coverage
 from surgery.planning.observation import Clock, Observation
 from surgery.planning.observe import observe
-from surgery.planning.plan import PlanResult, view_from_module
+from surgery.planning.plan import PlanResult, reason_class, view_from_module
 from surgery.planning.regions import OUTPUTS_OUTLIVE_STEP, find_regions, natural_key
 from surgery.planning.streaming import plan_piecewise, region_paths
 
@@ -96,6 +102,26 @@ def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: in
     return PlanResult(manifest, spec, notes, 0)
 
 
+def plan_from_step(model: Any, step: Callable[..., Any], *, steps: int = 4,
+                   timed_steps: int = 3, include: Sequence[str] = (),
+                   exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
+                   autocast: Any = None, source: str | None = None,
+                   clock: Clock | None = None) -> Manifest:
+    """Plan ``model`` in process from ``steps`` watched calls of ``step(model)`` (then timed).
+
+    The in-process form of ``surgery plan --model F --input STEP``: STEP may call ``model(x)``,
+    ``model.forward(x)``, a method (``model.generate``) or run a loop. ``autocast`` is a dtype
+    (``torch.bfloat16``) every step runs under. The model's state after the steps is whatever
+    the steps left (reset a stream or a cache before deploying). Raises EmptyPlanError when no
+    region is found, ModelSourceError when the step fails or never reaches the model.
+    """
+    w = watch_model(model, step, steps=steps, timed_steps=timed_steps, clock=clock,
+                    include=include, autocast=autocast)
+    name = source or f"{type(model).__module__}.{type(model).__qualname__}"
+    return manifest_from_evidence(w, source=name, include=include, exclude=exclude,
+                                  compile=compile, extra={"steps": steps})
+
+
 @dataclass
 class Watched:
     """A live model's view, its names-based regions and what a run of it showed."""
@@ -154,57 +180,107 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
                            exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
                            notes: list[str] | None = None,
                            extra: dict[str, Any] | None = None) -> Manifest:
-    """Choose regions from the evidence and write them, with their evidence, as a manifest."""
+    """Choose regions from the evidence, judge the names-only plan by the same run, keep the
+    better, and write it, with its evidence, as a manifest. Raises EmptyPlanError on none."""
     include = [g for g in include if ":" not in g] + w.forced
-    choice = choose_regions(w.obs, methods=w.methods, include=include, exclude=exclude)
+    first = choose_regions(w.obs, methods=w.methods, include=include, exclude=exclude)
+    names = [c.path for c in w.names.regions
+             if not any(fnmatch.fnmatchcase(c.path, g) for g in exclude)]
+    choice, versus = best_of(w.obs, first, names)
+    if not choice.regions:
+        raise _empty(w, choice, source)
     cov = choice.coverage
-    if notes is not None and cov.get("hook_overhead_ms") is not None:
-        notes.append(f"the timing hooks added {cov['hook_overhead_ms']:.2f} ms to a step "
-                     f"(coverage shares are of the timed {cov['step_ms']:.2f} ms); a watched "
-                     f"step (signatures and ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
+    if notes is not None:
+        notes.extend(_coverage_notes(cov, versus))
     kinds = {c.path: c.kind for c in w.names.regions}
     manifest = _manifest(w.view, w.tensors, w.obs, choice, kinds=kinds, source=source,
-                         compile=compile, extra=extra or {})
+                         compile=compile, extra={**(extra or {}), **versus})
     manifest.model["class"] = f"{type(w.model).__module__}.{type(w.model).__qualname__}"
     return manifest
+
+
+def _coverage_notes(cov: dict[str, Any], versus: dict[str, Any]) -> list[str]:
+    out = []
+    if "covered_share" in cov and "names_covered_share" in versus:
+        kept = "the names-only plan" if versus["chosen"] == "names" else "the evidence plan"
+        out.append(f"evidence {cov['covered_share']:.0%} of the step, names-only "
+                   f"{versus['names_covered_share']:.0%}: kept {kept}")
+    if cov.get("hook_overhead_ms") is not None:
+        out.append(f"the timing hooks added {cov['hook_overhead_ms']:.2f} ms to a "
+                   f"{cov['step_ms']:.2f} ms step (shares are of the bare step, each module's "
+                   f"time corrected for the hooks inside it); a watched step (signatures and "
+                   f"ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
+    return out
+
+
+_SHOWN_REASONS = 8  # reasons an empty plan lists: one screen
+
+
+def _empty(w: Watched, choice: Choice, source: str) -> EmptyPlanError:
+    """Why no module became a region, counted by reason (one screen)."""
+    counts: dict[str, int] = {}
+    for _path, why in choice.left_out:
+        for part in why.split("; "):
+            key = reason_class(part)
+            counts[key] = counts.get(key, 0) + 1
+    ranked = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    lines = [f"  {n:>5} x {why[:150]}" for why, n in list(ranked.items())[:_SHOWN_REASONS]]
+    more = len(ranked) - _SHOWN_REASONS
+    if more > 0:
+        lines.append(f"  ... and {more} other reason(s)")
+    modules = len([p for p in w.obs.classes if p])
+    return EmptyPlanError(
+        f"the evidence plan of {source} found no region: {modules} module(s), "
+        f"{len(w.obs.calls)} call(s) watched, every one left out. Why, by how many:\n"
+        + "\n".join(lines), reasons=ranked,
+        hint="run the step as deployed (--steps, --dtype, batch sizes), or name regions "
+             "with --include GLOB; `surgery plan --model` alone plans by names")
+
+
+# Signatures a region's evidence lists: its group's budget of each of up to 4 split groups, so the
+# runtime's check knows every one it was planned for (a split group lists its own only).
+_SIGNATURES_KEPT = RECOMPILE_BUDGET * 4
 
 
 def _merge_evidence(items: list[dict[str, Any]]) -> dict[str, Any]:
     sigs: list[str] = []
     for e in items:
         sigs += [s for s in e["signatures"] if s not in sigs]
-    out: dict[str, Any] = {"signatures": sigs[:RECOMPILE_BUDGET],
+    out: dict[str, Any] = {"signatures": sigs[:_SIGNATURES_KEPT],
                            "calls_per_step": round(sum(e["calls_per_step"] for e in items), 3)}
     if all("share" in e for e in items):
         out["share"] = round(sum(e["share"] for e in items), 5)
     return out
 
 
-def _manifest(view: Any, tensors: dict[str, Any], obs: Observation, choice: Any, *,
+def _manifest(view: Any, tensors: dict[str, Any], obs: Observation, choice: Choice, *,
               kinds: dict[str, str], source: str, compile: dict[str, Any] | None,
               extra: dict[str, Any]) -> Manifest:
     compile = dict(compile or DEFAULT_COMPILE)
     ring = compile.get("capture") == "region"
     if ring:
         compile["clone_outputs"] = False
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    for p in choice.regions:
-        is_method = p not in obs.classes
-        mod_path = p.rpartition(".")[0] if is_method else p
-        kind = kinds.get(p) or (p.rpartition(".")[2] if is_method else OBSERVED)
-        callable_ = "method" if is_method else "forward"
-        groups.setdefault((kind, callable_, obs.classes.get(mod_path, "")), []).append(p)
     regions: list[Region] = []
     covered = 0
-    for (kind, callable_, cls), paths in groups.items():
-        params = sum(view.numel(p) for p in paths) if callable_ == "forward" else None
-        covered += params or 0
-        keep = None if ring else OUTPUTS_OUTLIVE_STEP.get(kind)
-        regions.append(Region(kind=kind, callable=callable_, module_class=cls or None,
-                              parameters=params,
-                              compile={} if keep is None else {"clone_outputs": keep},
-                              paths=sorted(paths, key=natural_key),
-                              evidence=_merge_evidence([choice.evidence[p] for p in paths])))
+    for g in choice.groups:
+        parts: dict[tuple[str, str, str], list[str]] = {}
+        for p in g.paths:
+            is_method = p not in obs.classes
+            mod_path = p.rpartition(".")[0] if is_method else p
+            kind = kinds.get(p) or (p.rpartition(".")[2] if is_method else OBSERVED)
+            callable_ = "method" if is_method else "forward"
+            parts.setdefault((kind, callable_, obs.classes.get(mod_path, "")), []).append(p)
+        for (kind, callable_, cls), paths in parts.items():
+            params = sum(view.numel(p) for p in paths) if callable_ == "forward" else None
+            covered += params or 0
+            keep = None if ring else OUTPUTS_OUTLIVE_STEP.get(kind)
+            regions.append(Region(
+                kind=kind, callable=callable_, module_class=cls or None, parameters=params,
+                compile={} if keep is None else {"clone_outputs": keep},
+                paths=sorted(paths, key=natural_key),
+                evidence=_merge_evidence([choice.evidence[p] for p in paths]),
+                dynamic=g.dynamic_dims is not None, dynamic_dims=dict(g.dynamic_dims or {}),
+                group=g.name))
     regions.sort(key=lambda r: natural_key(r.paths[0]))
     model = {"source": source, "tensors": len(tensors),
              "parameters": sum(t.numel for t in tensors.values()), "covered_parameters": covered,

@@ -54,7 +54,7 @@ class PlanResult:
         m = self.manifest
         total = m.model.get("parameters", 0) or 0
         covered = m.model.get("covered_parameters", 0) or 0
-        left = Counter((lo.kind, _reason_class(lo.reason)) for lo in m.left_out)
+        left = Counter((lo.kind, reason_class(lo.reason)) for lo in m.left_out)
         return {
             "source": self.source,
             "fingerprint": m.fingerprint,
@@ -91,8 +91,13 @@ def _count_kinds(regions: Sequence[Region]) -> Counter[str]:
     return counts
 
 
-def _reason_class(reason: str) -> str:
-    """Group left-out reasons that differ only by the path they name."""
+def reason_class(reason: str) -> str:
+    """Group left-out reasons that differ only by the path or the figures they name."""
+    if reason.startswith("not worth a graph: under "):
+        return reason.partition(" (")[0]
+    if reason.startswith("inside ") and ", " in reason:  # inside X, excluded / which runs ...
+        return "inside a module " + reason.partition(", ")[2].partition(" region ")[0] \
+            .partition(" --exclude")[0]
     for sep in (" region ", " by --exclude "):
         if sep in reason:
             return reason.partition(sep)[0] + sep.rstrip()

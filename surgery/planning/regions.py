@@ -28,7 +28,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from surgery.errors import RegionError
-from surgery.planning.blocks import STREAMING_CONTAINERS, fixed_parts, single_layer, stream_reason
+from surgery.planning.blocks import (
+    STREAMING_CONTAINERS,
+    fixed_parts,
+    single_layer,
+    single_layer_reason,
+    stream_reason,
+)
 from surgery.planning.view import ModelView, ModuleNode, ancestors, view_from_tensors
 
 # The view and the block signs live in their own modules; they are re-exported here because
@@ -165,8 +171,7 @@ def _candidates(view: ModelView) -> tuple[list[Candidate], list[tuple[str, str, 
         for m in members:
             layer = single_layer(view, m)
             if layer is not None:
-                notes.append((m, REPEATED_BLOCK, f"a single {layer}: one op gains nothing as a "
-                              "region and costs a graph launch"))
+                notes.append((m, REPEATED_BLOCK, single_layer_reason(layer)))
                 continue
             reason = stream_reason(view, m)
             if reason is None:
@@ -178,10 +183,12 @@ def _candidates(view: ModelView) -> tuple[list[Candidate], list[tuple[str, str, 
                 # LingBot's split: its methods are the fixed-shape parts, and they call the
                 # submodules (ffn_residual calls mlp), so a submodule region would nest in them.
                 continue
-            for part in fixed_parts(view, m):
+            skipped: list[tuple[str, str]] = []
+            for part in fixed_parts(view, m, skipped):
                 rel = part[len(m) + 1:]
                 found[part] = Candidate(FIXED_PART, part, group=f"{container}.*.{rel}",
                                         cls=view.modules[part].cls)
+            notes += [(p, FIXED_PART, why) for p, why in skipped]
     for path, node in view.modules.items():
         kind = _named_kind(path)
         if kind is not None:

@@ -55,7 +55,7 @@ from surgery.runtime.resolve import (
     resolve_manifest,
     resolve_path,
 )
-from surgery.runtime.signatures import signature_check
+from surgery.runtime.signatures import signature_check, weight_layout
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
 
 __all__ = [
@@ -300,18 +300,21 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
     eager = getattr(mod, name)
     bound = inspect.ismethod(eager) and eager.__self__ is mod
     target = eager.__func__ if bound else eager
+    dynamic = True if region.dynamic else plan.dynamic  # plan --input saw only sizes vary
+    # One group per function, options, weight layout (a parameter shape is a guard), group name.
     key = (id(target), json.dumps([plan.backend, plan.config_patches, plan.fullgraph,
-                                   plan.dynamic], sort_keys=True, default=str))
+                                   dynamic], sort_keys=True, default=str),
+           weight_layout(mod), region.group)
     group = groups.get(key)
     if group is None:
         group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
                                             config_patches=plan.config_patches,
-                                            fullgraph=plan.fullgraph, dynamic=plan.dynamic)
+                                            fullgraph=plan.fullgraph, dynamic=dynamic)
         if precompiled is not None:
             group.precompiled = precompiled.take(group.identity, target)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,
                  budget=plan.max_signatures, names=parameter_names(eager))
-    if plan.dynamic is True:  # already dynamic: its budget counts compiles, not shapes
+    if dynamic is True:  # already dynamic: its budget counts compiles, not shapes
         slot.dyn = group
         rec.signature_mode = "dynamic"
     if plan.capture_region:
@@ -319,7 +322,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
                                    notes=rec.notes)
         slot.graphs.ready = functools.partial(group.ready_for, slot)
-    slot.check = signature_check(region.evidence, rec.path, eager)
+    slot.check = signature_check(region.evidence, rec.path, eager, dynamic_dims=region.dynamic_dims)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)
     return slot

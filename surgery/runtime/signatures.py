@@ -4,8 +4,19 @@ A signature is what a compiled callable guards on and what a captured CUDA graph
 argument's shape, dtype and strides, the values of ints, floats, bools and strings, the structure
 of lists and dicts, and the autocast and grad state. ``surgery plan --input`` writes the rendered
 signatures it saw under ``[region.evidence]``; at runtime ``SignatureCheck`` warns once per region
-path when a call shows one the plan never saw, since that call compiles (or captures) anew and
-the plan's evidence no longer describes it.
+path when a call shows one the plan never saw, since the plan's evidence no longer describes it.
+
+Two rules keep that warning for real differences:
+
+- **Grad modes.** ``no_grad`` and ``inference_mode`` are one context here (``no_grad``): both run
+  without autograd, a graph captured under either replays the same kernels, and the README's own
+  flow plans under ``no_grad`` and deploys under ``inference_mode``. (The runtime still keys its
+  graphs on inference mode, surgery.runtime.graphs.replay; what this removes is a warning for
+  identical shapes, once per region.) Manifests written before say ``inference_mode``; it
+  reads as ``no_grad``.
+- **Dynamic regions.** A region planned ``dynamic = true`` records its signatures with ``*`` in
+  its ``dynamic_dims`` (``x=f32[*,16]``); a call is compared in the same form, so any size there
+  is planned.
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ def render(desc: Any) -> str:
     kind = desc[0]
     if kind == "T":
         _, shape, dt, stride, _dev, _grad = desc
-        contiguous = stride == _contiguous_stride(shape)
+        contiguous = stride == (_wild_stride(shape) if "*" in shape else
+                                _contiguous_stride(shape))
         return f"{dt}[{','.join(map(str, shape))}]" + ("" if contiguous else f"@{stride}")
     if kind in ("list", "tuple"):
         items = [render(d) for d in desc[1][:_LIST_SHOWN]]
@@ -76,11 +88,51 @@ def context() -> tuple[str, ...]:
     for dev in ("cuda", "cpu"):
         if torch.is_autocast_enabled(dev):
             out.append(f"autocast({dev},{_dtype(torch.get_autocast_dtype(dev))})")
-    if torch.is_inference_mode_enabled():
-        out.append("inference_mode")
-    elif not torch.is_grad_enabled():
-        out.append("no_grad")
+    if not torch.is_grad_enabled():  # inference_mode too: one state for a plan (module docstring)
+        out.append(GRAD_OFF)
     return tuple(out)
+
+
+GRAD_OFF = "no_grad"  # the context token of no_grad and of inference_mode
+_OLD_GRAD_OFF = "inference_mode"  # what manifests before issue 18 wrote for inference_mode
+
+
+def same_grad_mode(rendered: str) -> str:
+    """A rendered signature with an old manifest's ``inference_mode`` read as ``no_grad``."""
+    parts = rendered.split(", ")
+    return ", ".join(GRAD_OFF if p == _OLD_GRAD_OFF else p for p in parts)
+
+
+def wildcard(sig: Signature, dims: dict[str, list[int]]) -> Signature:
+    """``sig`` with the sizes in ``dims`` replaced by ``*`` (how a dynamic region records it).
+
+    A non-contiguous tensor's strides become ``*`` too, since they follow its sizes.
+    """
+    args = []
+    for name, d in sig.args:
+        if name in dims and d[0] == "T":
+            shape = tuple("*" if i in dims[name] else n for i, n in enumerate(d[1]))
+            contiguous = tuple(d[3]) == _contiguous_stride(d[1])
+            stride = _wild_stride(shape) if contiguous else tuple("*" for _ in d[3])
+            d = ("T", shape, d[2], stride, *d[4:])
+        args.append((name, d))
+    return Signature(tuple(args), sig.context)
+
+
+def _wild_stride(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The contiguous stride of a shape with ``*`` dims, so that render() shows no stride."""
+    out: list[Any] = []
+    acc: Any = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc = "*" if n == "*" or acc == "*" else acc * max(n, 1)
+    return tuple(reversed(out))
+
+
+def weight_layout(module: torch.nn.Module) -> int:
+    """A hash of the names, shapes and dtypes of a module's parameters and buffers."""
+    return hash(tuple((k, tuple(v.shape), v.dtype) for k, v in
+                      (*module.named_parameters(), *module.named_buffers())))
 
 
 @dataclass(frozen=True)
@@ -135,10 +187,12 @@ class SignatureCheck:
     scalar values, autocast) it has not met, so repeated calls cost a tuple build and a lookup.
     """
 
-    def __init__(self, path: str, fn: Callable[..., Any], observed: Sequence[str]) -> None:
+    def __init__(self, path: str, fn: Callable[..., Any], observed: Sequence[str], *,
+                 dynamic_dims: dict[str, list[int]] | None = None) -> None:
         self.path = path
         self.fn = fn
-        self.observed = frozenset(observed)
+        self.observed = frozenset(same_grad_mode(s) for s in observed)
+        self.dynamic_dims = dynamic_dims or None
         self.met: set[Any] = set()
         self.warned = False
 
@@ -152,20 +206,24 @@ class SignatureCheck:
         if cheap in self.met:
             return
         self.met.add(cheap)
-        sig = signature_of(self.fn, args, kwargs).render()
+        full = signature_of(self.fn, args, kwargs)
+        if self.dynamic_dims:
+            full = wildcard(full, self.dynamic_dims)
+        sig = full.render()
         if sig in self.observed:
             return
         self.warned = True
         seen = "; ".join(sorted(self.observed)[:2])
         warnings.warn(f"surgery: region path {self.path!r} was called with ({sig}), a signature "
-                      f"its plan never observed (it saw: {seen}); it compiles anew. Re-plan with "
-                      f"an --input that runs the model as deployed.", UnplannedSignatureWarning,
-                      stacklevel=4)
+                      f"its plan never observed (it saw: {seen}); the plan's evidence does not "
+                      f"describe this call, which costs a compile and a graph of its own unless "
+                      f"warm-up already ran it. Re-plan with an --input that runs the model as "
+                      f"deployed.", UnplannedSignatureWarning, stacklevel=4)
 
 
-def signature_check(evidence: dict[str, Any] | None, path: str,
-                    fn: Callable[..., Any]) -> SignatureCheck | None:
+def signature_check(evidence: dict[str, Any] | None, path: str, fn: Callable[..., Any], *,
+                    dynamic_dims: dict[str, list[int]] | None = None) -> SignatureCheck | None:
     """The check for one region path, or None when its region carries no observed signatures."""
     if not evidence or not evidence.get("signatures"):
         return None
-    return SignatureCheck(path, fn, evidence["signatures"])
+    return SignatureCheck(path, fn, evidence["signatures"], dynamic_dims=dynamic_dims)

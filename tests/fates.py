@@ -1,0 +1,25 @@
+"""The one-fate check (issue 18): every module of a model is a region, inside a region, or under
+``[[left_out]]`` with a reason; never two of these, never none. The root is the model itself,
+never a region by contract, and is not counted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def assert_one_fate(model: Any, manifest: Any) -> dict[str, str]:
+    """Assert the rule for every module of ``model``; returns left-out path -> reason."""
+    regions = {p for r in manifest.regions if r.callable == "forward" for p in r.paths}
+    paths = [lo.path for lo in manifest.left_out]
+    assert len(paths) == len(set(paths)), "a path is left out twice"
+    left = {lo.path: lo.reason for lo in manifest.left_out}
+    for path, _mod in model.named_modules():
+        if not path:
+            continue
+        inside = [a for a in regions if path.startswith(f"{a}.")]
+        fates = [f for f, yes in (("region", path in regions), ("inside", bool(inside)),
+                                  ("left out", path in left)) if yes]
+        assert len(fates) == 1, f"{path}: {fates or 'no fate'}"
+        if path in left:
+            assert left[path].strip(), f"{path} is left out without a reason"
+    return left
