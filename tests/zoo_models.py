@@ -152,6 +152,25 @@ def run_decode(model: Any) -> list[torch.Tensor]:
     return logits
 
 
+GENERATE_TOKENS = 4
+
+
+def run_generate(model: Any, *, cache: str | None = None) -> list[torch.Tensor]:
+    """transformers' own loop: ``generate()`` greedily, GENERATE_TOKENS new tokens after a
+    6-token prompt, with its dynamic cache or ``cache_implementation=cache`` ("static")."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (1, 6), generator=g).to(_dev(model))
+    kw = {} if cache is None else {"cache_implementation": cache}
+    out = model.generate(ids, max_new_tokens=GENERATE_TOKENS, do_sample=False, pad_token_id=0,
+                         **kw)
+    assert out.shape[1] == 6 + GENERATE_TOKENS
+    return [out]
+
+
+def run_generate_static(model: Any) -> list[torch.Tensor]:
+    return run_generate(model, cache="static")
+
+
 def run_dit(model: Any) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     lat = _randn(g, 2, 4, 8, 8, like=model)

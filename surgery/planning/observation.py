@@ -29,7 +29,7 @@ class Call:
     children: list[int] = field(default_factory=list)
     mutated: list[str] = field(default_factory=list)  # state it changed: "attribute kv_cache"
     inner: int = 0  # hash of what ran inside (ops and child calls, recursively)
-    subtree_ops: int = 0
+    subtree_ops: int = 0  # ops that launch, in the call and below (views not counted)
 
 
 @dataclass

@@ -14,9 +14,10 @@ What it records, and why each thing is needed to choose a compile region:
   Python, so such a call cannot be replayed.
 - **Time**, in two more phases without the function mode. First the *bare* step: STEP itself,
   timed around its call (a synchronise before and after on a GPU), with no hook installed. That
-  is the figure that counts (the fastest bare step), and every share is a share of it: a step may never go through the
-  root module's ``__call__`` (``model.forward(x)``, ``model.generate(...)``, a loop), so the
-  root's hooks cannot time it. Then the *hooked* step: CUDA events recorded around each module
+  is the figure that counts (the fastest of the bare steps: a shared host preempts at random),
+  and every share is a share of it: a step may never go through the root module's
+  ``__call__`` (``model.forward(x)``, ``model.generate(...)``, a loop), so the root's hooks
+  cannot time it. Then the *hooked* step: CUDA events recorded around each module
   call on a GPU (no synchronise per call), the perf_counter elsewhere, or a clock the caller
   injects (tests). Self time is total minus the direct children's totals.
 - **The hooks' overhead** inflates every span by the hooks of the calls inside it (on a
@@ -62,6 +63,13 @@ _META_OPS = frozenset({"size", "dim", "stride", "numel", "is_contiguous", "eleme
                        "__format__", "get_device", "storage_offset", "ndimension", "nelement",
                        "__bool__", "__index__", "__int__", "__hash__", "__eq__", "__iter__",
                        "untyped_storage", "has_names", "__reduce_ex__", "requires_grad_"})
+# Ops that make a view or read metadata, launching no kernel: recorded (their shapes are
+# evidence of what ran inside) but not counted when judging whether a subtree is worth a graph,
+# so GPT-2's Conv1D (view, addmm, view) counts as the one op it launches.
+VIEW_OPS = frozenset({"view", "reshape", "view_as", "reshape_as", "permute", "transpose", "t",
+                      "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten",
+                      "narrow", "select", "split", "chunk", "unbind", "__getitem__", "detach",
+                      "movedim", "swapaxes", "as_strided", "unfold"})
 # nn.Module's own bookkeeping attributes: never model state.
 _MODULE_ATTRS = frozenset(vars(nn.Module()))
 
@@ -155,7 +163,8 @@ class _Watcher:
                         if before.get(k) != after.get(k)]
         call.mutated += [f"argument {n}" for n, a, tok in containers if _state_token(a) != tok]
         kids = [self.calls[i] for i in call.children]
-        call.subtree_ops = len(call.ops) + sum(k.subtree_ops for k in kids)
+        call.subtree_ops = sum(1 for name, _ in call.ops if name not in VIEW_OPS) + \
+            sum(k.subtree_ops for k in kids)
         call.inner = hash((tuple(call.ops), tuple((k.path, k.sig, k.inner) for k in kids)))
 
     def __enter__(self) -> _Watcher:
