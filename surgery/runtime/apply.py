@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -55,7 +54,7 @@ from surgery.runtime.resolve import (
     resolve_manifest,
     resolve_path,
 )
-from surgery.runtime.signatures import signature_check, weight_layout
+from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
 
 __all__ = [
@@ -301,10 +300,8 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
     bound = inspect.ismethod(eager) and eager.__self__ is mod
     target = eager.__func__ if bound else eager
     dynamic = True if region.dynamic else plan.dynamic  # plan --input saw only sizes vary
-    # One group per function, options, weight layout (a parameter shape is a guard), group name.
-    key = (id(target), json.dumps([plan.backend, plan.config_patches, plan.fullgraph,
-                                   dynamic], sort_keys=True, default=str),
-           weight_layout(mod), region.group)
+    key = group_key(target, [plan.backend, plan.config_patches, plan.fullgraph, dynamic], mod,
+                    region.group)
     group = groups.get(key)
     if group is None:
         group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
@@ -322,7 +319,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
                                    notes=rec.notes)
         slot.graphs.ready = functools.partial(group.ready_for, slot)
-    slot.check = signature_check(region.evidence, rec.path, eager, dynamic_dims=region.dynamic_dims)
+    slot.check = signature_check(region.evidence, rec.path, eager, region.dynamic_dims)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)
     return slot

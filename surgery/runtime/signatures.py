@@ -22,6 +22,7 @@ Two rules keep that warning for real differences:
 from __future__ import annotations
 
 import inspect
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,19 @@ def _wild_stride(shape: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(reversed(out))
 
 
+def group_key(target: Callable[..., Any], options: list[Any], module: torch.nn.Module,
+              group: str | None) -> tuple[Any, ...]:
+    """Which region paths share one compiled copy of ``target`` (surgery.runtime.groups).
+
+    The same function with the same compile options, weights of the same layout (a parameter's
+    shape is a guard: two widths would only fill one dynamo cache with each other's signatures)
+    and the same manifest ``group`` name (a plan that split one layout by signature keeps the
+    parts apart, each within its budget).
+    """
+    return (id(target), json.dumps(options, sort_keys=True, default=str), weight_layout(module),
+            group)
+
+
 def weight_layout(module: torch.nn.Module) -> int:
     """A hash of the names, shapes and dtypes of a module's parameters and buffers."""
     return hash(tuple((k, tuple(v.shape), v.dtype) for k, v in
@@ -221,7 +235,7 @@ class SignatureCheck:
                       f"deployed.", UnplannedSignatureWarning, stacklevel=4)
 
 
-def signature_check(evidence: dict[str, Any] | None, path: str, fn: Callable[..., Any], *,
+def signature_check(evidence: dict[str, Any] | None, path: str, fn: Callable[..., Any],
                     dynamic_dims: dict[str, list[int]] | None = None) -> SignatureCheck | None:
     """The check for one region path, or None when its region carries no observed signatures."""
     if not evidence or not evidence.get("signatures"):
