@@ -302,7 +302,7 @@ def _manifest(n: int = 2) -> Manifest:
     pytest.param("a = " + "[" * 100_000 + "]" * 100_000, "nest too deeply", id="100k-deep-array"),
     pytest.param("a = " + "{b = " * 1000 + "1" + "}" * 1000, "nest too deeply",
                  id="1000-deep-inline-table"),
-    pytest.param("a = " + "9" * 5000, "digits", id="5000-digit-int"),
+    pytest.param("a = " + "9" * 5000, "SURGERY_MAX_TOML_KEY_CHARS", id="5000-digit-int"),
     pytest.param("a = [\n1,\n", "not valid TOML", id="unclosed"),
 ])
 def test_manifest_text_that_breaks_tomllib(text, match) -> None:

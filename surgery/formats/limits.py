@@ -130,3 +130,23 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a plain file"
+
+
+# C0 and C1 control characters, DEL, and the line and paragraph separators: what can move a
+# terminal's cursor, start an escape sequence, or forge a line of output.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_CONTROL.update({0x2028: "\\u2028", 0x2029: "\\u2029", ord("\\"): "\\\\"})
+MAX_LINE_CHARS = 300
+
+
+def printable(text: str, *, max_chars: int = MAX_LINE_CHARS) -> str:
+    """`text` safe to print on one line: control characters escaped (``\\x1b``, ``\\n``), lone
+    surrogates escaped, cut to `max_chars` with a count of what was left out."""
+    if len(text) > max_chars:
+        text = f"{text[:max_chars]}... ({len(text) - max_chars} more characters)"
+    out = text.translate(_CONTROL)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:
+        out = out.encode("utf-8", "backslashreplace").decode("utf-8")
+    return out

@@ -6,6 +6,7 @@ not need tomli-w or click; writing imports tomli-w when it is called.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -18,9 +19,10 @@ from typing import Any
 
 from surgery.errors import ManifestError
 from surgery.formats.allowlist import manifest_refusals
-from surgery.formats.limits import NotRegularFile, read_regular
+from surgery.formats.limits import NotRegularFile, limit, printable, raise_hint, read_regular
 from surgery.formats.manifest_bulk import MAX_MANIFEST_BYTES, check_bulk, duplicate_across_regions
 from surgery.formats.safe_write import write_text_atomic
+from surgery.formats.toml_scan import TomlProblem, scan_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -226,7 +228,11 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
         _raise(first.message, path=path, location=first.location, text=text,
                more=len(refused) - 1, hint=first.hint)
     validator = jsonschema.Draft202012Validator(load_schema())
-    errors = sorted(validator.iter_errors(view), key=lambda e: list(map(str, e.absolute_path)))
+    # iter_errors is lazy: keep at most SURGERY_MAX_ERRORS of them (an array of a million bad
+    # items kept every error, 2.2 GB from 600 KB), and report the best of those.
+    cap = limit("ERRORS")
+    errors = sorted(itertools.islice(validator.iter_errors(view), cap),
+                    key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         e = jsonschema.exceptions.best_match(errors) or errors[0]
         parts = list(e.absolute_path)
@@ -234,7 +240,7 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
             parts[1] += left_offset  # the view holds one left_out entry: name it as in the file
         loc = format_location(parts)
         _raise(f"{loc}: {e.message}", path=path, location=loc, text=text,
-               more=len(errors) - 1)
+               more=len(errors) - 1, at_least=len(errors) == cap)
     dup = duplicate_across_regions(data.get("region", []))
     if dup is not None:
         _raise(f"{dup.location}: {dup.message}", path=path, location=dup.location, text=text,
@@ -255,10 +261,11 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
 
 
 def _raise(msg: str, *, path: str | None, location: str, text: str | None, more: int = 0,
-           hint: str | None = None) -> None:
+           hint: str | None = None, at_least: bool = False) -> None:
     line = _line_of(text, location) if text else None
     where = f"{path or 'manifest'}" + (f":{line}" if line else "")
-    extra = f" (and {more} more problem(s))" if more else ""
+    extra = f" (and {'at least ' if at_least else ''}{more} more problem(s))" if more else ""
+    msg = printable(msg)  # a schema message quotes the value: one line, cut
     raise ManifestError(f"{where}: {msg}{extra}", path=path, location=location,
                         hint=hint or "edit the manifest, or plan it again with `surgery plan`")
 
@@ -308,6 +315,11 @@ def parse_manifest(text: str, *, path: str | None = None) -> Manifest:
         raise ManifestError(f"{where}: {len(text)} characters, more than the "
                             f"{MAX_MANIFEST_BYTES} a manifest may hold", path=path,
                             hint="a manifest lists module paths; is this the right file?")
+    try:
+        scan_toml(text)  # linear; what tomllib would spend quadratic memory or time on
+    except TomlProblem as e:
+        raise ManifestError(f"{where}: refused before parsing: {e}", path=path,
+                            hint=raise_hint(e.limit)) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
