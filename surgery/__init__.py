@@ -12,6 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "compile_regions": "surgery.planning.compile_regions",
     "apply_manifest": "surgery.runtime.apply",
     "mark_step": "surgery.runtime.apply",
     "ApplyHandle": "surgery.runtime.apply",

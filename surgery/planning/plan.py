@@ -350,6 +350,16 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
     """Plan a live model built by a factory; it shows classes and method regions."""
     notes: list[str] = []
     model = build_model(spec, notes=notes)
+    return plan_module(model, source=spec, include=include, exclude=exclude, compile=compile,
+                       fold=fold, notes=notes)
+
+
+def plan_module(model: Any, *, source: str, include: Sequence[str] = (),
+                exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
+                fold: bool = False, notes: list[str] | None = None) -> PlanResult:
+    """Plan a model already built (``--model``'s factory, or ``compile_regions``), by names."""
+    notes = [] if notes is None else notes
+    spec = source
     view, tensors = view_from_module(model)
     wrapped = sum(1 for k in tensors if keymod.canonical_key(k) != k)
     if wrapped:

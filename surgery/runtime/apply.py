@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from surgery.errors import CacheBundleError, RegionError
-from surgery.formats.manifest import PIECEWISE_KIND, Manifest, Region
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest, Region, save_manifest
 from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle, cache_counters, save_bundle
@@ -63,11 +63,9 @@ __all__ = [
     "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
 ]
 
-# Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint
-# a private pool that holds expandable segments, which is what cudagraph trees do between
-# recordings; users saw "!block->expandable_segment_ INTERNAL ASSERT FAILED". We warn below that
-# version. Later versions support it, though distributed set-ups still report hangs with it
-# (torchtitan#3306), so the report always notes the setting when CUDA graphs are in use.
+# Before pytorch#128068 (torch 2.5) the allocator could not checkpoint a private pool holding
+# expandable segments, as cudagraph trees do ("!block->expandable_segment_ INTERNAL ASSERT
+# FAILED"): we warn below it; later, hangs were still reported (torchtitan#3306), so we note it.
 _EXPANDABLE_SEGMENTS_OK_FROM = (2, 5)
 
 # --- the handle --------------------------------------------------------------------------------
@@ -117,6 +115,10 @@ class ApplyHandle:
         self.report.cache.saved_to = target
         return saved
 
+    def save_manifest(self, path: str | os.PathLike[str], *, force: bool = False) -> None:
+        """Write the applied manifest (``compile_regions``' plan) as TOML, atomically, to review."""
+        save_manifest(self.manifest, os.fspath(path), force=force)
+
     def restore(self) -> None:
         """Put back exactly the original callables (and the MHA fastpath). Idempotent."""
         if self.restored:
@@ -144,8 +146,7 @@ class ApplyHandle:
         self.restore()
 
     def __repr__(self) -> str:
-        c = self.report.counts()
-        state = "restored" if self.restored else "live"
+        c, state = self.report.counts(), "restored" if self.restored else "live"
         return (f"<ApplyHandle {state}: {c['compiled']} compiled, {c['pending']} pending, "
                 f"{c['eager']} eager, {c['skipped']} skipped>")
 
@@ -153,9 +154,7 @@ class ApplyHandle:
 def mark_step() -> None:
     """Open one CUDA-graph step: call before each inference step of a CUDA-graph model.
 
-    cudagraph trees only reuse a graph's memory once they know the previous step's outputs are
-    no longer needed; this is how the caller says so.
-    """
+    cudagraph trees reuse a graph's memory only once told the last step's outputs are dead."""
     torch.compiler.cudagraph_mark_step_begin()
 
 

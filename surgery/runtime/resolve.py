@@ -57,11 +57,34 @@ def _embedded_manifest(path: str) -> Manifest:
     return found
 
 
+# Wrappers whose inner model is what a manifest's paths name: the class, the attribute that
+# holds the model, and what it is. Its state dict still binds (the wrapper segments are
+# canonicalised away), so without this check every path failed as "has no submodule".
+_WRAPPERS: tuple[tuple[str, str, str], ...] = (
+    ("OptimizedModule", "_orig_mod", "torch.compile(model): pass the uncompiled model; surgery "
+     "compiles the regions itself"),
+    ("AveragedModel", "module", "an AveragedModel (EMA / SWA): pass its .module"),
+    ("DistributedDataParallel", "module", "a DDP wrapper: pass its .module"),
+    ("DataParallel", "module", "a DataParallel wrapper: pass its .module"),
+)
+
+
+def refuse_wrapper(model: object, *, what: str) -> None:
+    """A RegionError for a model that is a wrapper around the model to compile, or no module."""
+    if not isinstance(model, nn.Module):
+        raise RegionError(f"{what} takes an nn.Module, not a {type(model).__name__}",
+                          hint="pass the model (for a pipeline, its .transformer or .unet)")
+    for cls, attr, says in _WRAPPERS:
+        if type(model).__name__ == cls and isinstance(getattr(model, attr, None), nn.Module):
+            raise RegionError(f"{what}: the model is {says}", hint=f"{what}(model.{attr}, ...)")
+
+
 def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> Binding:
     """Bind the manifest to the live model: canonical keys and shapes, not dtypes (a cast model
     binds, with a note). A mismatch says what differs (surgery.formats.binding) and raises, or warns
-    with ``strict=False``."""
+    with ``strict=False``. A wrapper (torch.compile, AveragedModel, DDP) is refused first."""
 
+    refuse_wrapper(model, what="apply_manifest")
     # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
     sd = model.state_dict()
     mk = model_keys(list(sd))
