@@ -351,12 +351,13 @@ def plan_model(spec: str, *, include: Sequence[str] = (), exclude: Sequence[str]
     notes: list[str] = []
     model = build_model(spec, notes=notes)
     return plan_module(model, source=spec, include=include, exclude=exclude, compile=compile,
-                       fold=fold, notes=notes)
+                       fold=fold, piecewise=piecewise, notes=notes)
 
 
 def plan_module(model: Any, *, source: str, include: Sequence[str] = (),
                 exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
-                fold: bool = False, notes: list[str] | None = None) -> PlanResult:
+                fold: bool = False, piecewise: bool = False,
+                notes: list[str] | None = None) -> PlanResult:
     """Plan a model already built (``--model``'s factory, or ``compile_regions``), by names."""
     notes = [] if notes is None else notes
     spec = source
