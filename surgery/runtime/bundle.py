@@ -2,8 +2,12 @@
 
 A bundle is code (torch unpickles its artifacts), so nothing in it is believed before its
 HMAC-SHA256 verifies with the deployer's key (surgery.runtime.signing): `read_bundle` checks the
-MAC first, then parses the metadata as bounded JSON. Loading and saving (with torch) live in
-surgery.runtime.cache; `check_beside` is what `surgery verify --manifest` reports, without torch.
+MAC first, then parses the metadata as bounded JSON. It is bounded before the MAC too: the
+blob's length must match the file's real size and stay under ``SURGERY_MAX_BUNDLE_BYTES``; the
+MAC is streamed over the file in 1 MiB chunks, keeping nothing; only a file that verifies is
+read, and the bytes read are checked against the MAC again (the file may change meanwhile).
+Loading and saving (with torch) live in surgery.runtime.cache; `check_beside` is what
+`surgery verify --manifest` reports, without torch.
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ from surgery.errors import (
     CacheKeyError,
     CacheSignatureError,
 )
+from surgery.formats.limits import limit, over, raise_hint
 from surgery.formats.manifest import MANIFEST_SUFFIX, Manifest
 from surgery.formats.safe_write import write_text_atomic
 from surgery.runtime.artifacts import ArtifactError, read_artifacts
 from surgery.runtime.bundle_env import ENV_KEYS, environment_without_torch, same_torch
-from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE, load_key, mac, mac_matches
+from surgery.runtime.signing import (
+    ENV_KEY,
+    ENV_KEY_FILE,
+    file_mac_matches,
+    load_key,
+    mac,
+    mac_matches,
+)
 
 BUNDLE_SUFFIX = ".surgery.cache"
 
@@ -115,10 +127,12 @@ def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
     Nothing of the file but its fixed-size header is interpreted before the MAC verifies.
     """
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open below forever
-            raise CacheBundleError(f"{path}: not a regular file", path=path, hint=_REBUILD)
-        with open(path, "rb") as f:
+        # Non-blocking, so a FIFO put in its place cannot hang the open; fstat decides.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise CacheBundleError(f"{path}: not a regular file", path=path, hint=_REBUILD)
             head = f.read(_HEADER.size)
             if head[:8] == UNSIGNED_MAGIC:
                 raise _untrusted(path, "unsigned", "unsigned (format 1, written before bundles "
@@ -133,6 +147,10 @@ def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
             if n > _MAX_META:
                 raise CacheBundleError(f"{path}: corrupt header (metadata length {n})",
                                        path=path, hint=_REBUILD)
+            if b > limit("BUNDLE_BYTES"):
+                raise CacheBundleError(f"{path}: refused: " + over("BUNDLE_BYTES", "its blob",
+                                                                   b),
+                                       path=path, hint=raise_hint("BUNDLE_BYTES", needed=b))
             want = _HEADER.size + n + b
             if info.st_size != want:
                 what = "truncated" if info.st_size < want else "damaged"
@@ -142,6 +160,13 @@ def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
                 raise _untrusted(path, "no-key", f"no key to check its signature (neither "
                                  f"{ENV_KEY} nor {ENV_KEY_FILE} is set), so it is not loaded",
                                  _KEY_HINT)
+            # The MAC first, streamed over the file in chunks: an unsigned or forged file is
+            # refused at 1 MiB of memory, whatever its header promises.
+            if not file_mac_matches(key, tag, MAGIC, head[8:24], f=f, length=n + b):
+                raise _untrusted(path, "bad-signature", "signature does not verify: it was "
+                                 "signed with another key, or changed since it was signed",
+                                 _REBUILD)
+            f.seek(_HEADER.size)
             raw = f.read(n)
             blob = f.read(b)
     except FileNotFoundError:
@@ -152,9 +177,10 @@ def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
         raise CacheBundleError(f"{path}: cannot read: {e.strerror}", path=path) from None
     if len(raw) != n or len(blob) != b:
         raise CacheBundleError(f"{path}: truncated while it was read", path=path, hint=_REBUILD)
+    # The bytes kept are checked again: the file may have changed since the streamed check.
     if not mac_matches(key, tag, MAGIC, head[8:24], raw, blob):
-        raise _untrusted(path, "bad-signature", "signature does not verify: it was signed with "
-                         "another key, or changed since it was signed", _REBUILD)
+        raise _untrusted(path, "bad-signature", "signature does not verify: it changed while "
+                         "it was read", _REBUILD)
     meta = _parse_metadata(raw, path)
     try:
         # Format 3: the Mega-Cache part, then the precompiled part (runtime.bundle_sections).
