@@ -105,3 +105,84 @@ def test_a_lazy_import_that_fails_names_the_import(tmp_path, monkeypatch) -> Non
     assert "internal error" not in r.output and "a bug in surgery" not in r.output, r.output
     assert "lazy21.BertModel exists but fails to import: ModuleNotFoundError" in r.output
     assert 'python -c "from lazy21 import BertModel"' in r.output
+
+
+# --- defect 8: the demo's "recompiles: PATH (1)" says what differed ---------------------------
+
+
+def test_report_table_names_what_a_recompile_differed_in() -> None:
+    from surgery.runtime.report import ApplyReport, RegionRecord
+
+    rec = RegionRecord("aggregator.frame_blocks.0", "frame_block", "forward", "compiled",
+                       recompiles=1, recompile_reasons=["stride of x (1024, 1) (was (1, 64))"],
+                       fix="make the input contiguous before the region")
+    table = ApplyReport([rec]).table()
+    assert "aggregator.frame_blocks.0 (1: stride of x (1024, 1) (was (1, 64)))" in table, table
+    assert "fix: make the input contiguous before the region" in table
+
+
+# --- defect 8: help teaches: examples, the files it names exist, only its own exit codes ------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_command_s_help_has_examples_and_only_its_exit_codes() -> None:
+    import re
+
+    assert set(cli.commands) >= {"plan", "check", "verify", "export", "warm"}
+    for name in cli.commands:
+        text = run(name, "--help").output
+        assert "Example" in text, f"{name} --help has no examples"
+        codes = text.split("Exit codes:")[1]
+        assert ("1  findings" in codes) == (name == "verify"), (name, codes)
+        for code in ("0  clean", "2  usage error", "3  could not run", "130 interrupted"):
+            assert code in codes, (name, code)
+        for path in re.findall(r"surgery/[\w/]+\.py", text):
+            assert os.path.exists(os.path.join(ROOT, path)), f"{name} --help names {path}"
+
+
+# --- defect 8: a misspelt kind, a misspelt table -----------------------------------------------
+
+
+def _tiny_manifest(tmp_path) -> str:
+    path = tmp_path / "tiny.surgery.toml"
+    assert run("plan", "--model", "surgery.examples:tiny", "-o", path).exit_code == 0
+    return path.read_text()
+
+
+def test_check_refuses_a_misspelt_kind(tmp_path) -> None:
+    text = _tiny_manifest(tmp_path).replace('kind = "frame_block"', 'kind = "repeated_blocks"', 1)
+    (tmp_path / "typo.surgery.toml").write_text(text)
+    r = run("check", tmp_path / "typo.surgery.toml")
+    assert r.exit_code == 3, r.output
+    assert "'repeated_blocks' is not a kind surgery plans; did you mean 'repeated_block'?" \
+        in r.output
+
+
+def test_a_misspelt_table_shows_every_problem(tmp_path) -> None:
+    text = _tiny_manifest(tmp_path).replace("\n[compile]\n", "\n[compil]\n", 1)
+    (tmp_path / "typo.surgery.toml").write_text(text)
+    r = run("check", tmp_path / "typo.surgery.toml")
+    assert r.exit_code == 3, r.output
+    assert "'compile' is a required property" in r.output
+    assert "'compil' was unexpected" in r.output and "more problem" not in r.output
+
+
+# --- defect 8: apply_manifest on a wrapper names what to pass ----------------------------------
+
+
+def test_apply_manifest_on_a_wrapper_says_what_to_pass(tmp_path) -> None:
+    import pytest
+
+    import surgery
+    from surgery.errors import RegionError
+
+    model = tiny()
+    man = tmp_path / "tiny.surgery.toml"
+    man.write_text(_tiny_manifest(tmp_path))
+    with pytest.raises(RegionError, match="AveragedModel") as info:
+        surgery.apply_manifest(torch.optim.swa_utils.AveragedModel(model), str(man))
+    assert "apply_manifest(model.module" in info.value.hint
+    with pytest.raises(RegionError, match=r"torch.compile\(model\)") as info:
+        surgery.apply_manifest(torch.compile(model), str(man))
+    assert "apply_manifest(model._orig_mod" in info.value.hint

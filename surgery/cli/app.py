@@ -29,15 +29,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
-EPILOG = """\b
-Exit codes:
-  0  clean / done
-  1  findings (verify found problems)
-  2  usage error
-  3  could not run (unreadable or unsafe checkpoint, invalid manifest, output exists,
-     or an internal error: SURGERY_DEBUG=1 shows its traceback)
-  130 interrupted (Ctrl-C), 143 terminated (SIGTERM): no partial output, temps removed
-"""
+_EXIT_LINES: dict[int, str] = {
+    0: "  0  clean / done",
+    1: "  1  findings (verify found problems)",
+    2: "  2  usage error",
+    3: "  3  could not run (unreadable or unsafe checkpoint, invalid manifest, output exists,\n"
+       "     or an internal error: SURGERY_DEBUG=1 shows its traceback)",
+    130: "  130 interrupted (Ctrl-C), 143 terminated (SIGTERM): no partial output, temps removed",
+}
+
+
+def exit_epilog(*codes: int) -> str:
+    """A command's --help epilog: the exit codes that command can return, and no others.
+
+    Every command can be interrupted (130 / 143) and can fail to run (3); only `verify` has
+    findings (1).
+    """
+    return "\b\nExit codes:\n" + "\n".join(_EXIT_LINES[c] for c in sorted(codes)) + "\n"
+
+
+EPILOG = exit_epilog(0, 1, 2, 3, 130)  # the group's: every code some command returns
 
 
 def error_json(code: str, message: str, hint: str | None, exit_code: int) -> dict[str, Any]:

@@ -11,13 +11,13 @@ import click
 
 from surgery import hygiene
 from surgery.cli.app import (
-    EPILOG,
     FORMAT_OPTION,
     _each,
     _no_cycle_collection,
     _resolve,
     cli,
     emit_json,
+    exit_epilog,
     handle_errors,
 )
 from surgery.formats.keys import canonical_key
@@ -79,7 +79,7 @@ def _render_findings(report: Any, *, all_keys: bool) -> None:
                     + (", data finite" if report.deep else ""), fg="green")
 
 
-@cli.command(epilog=EPILOG)
+@cli.command(epilog=exit_epilog(0, 1, 2, 3, 130))
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(),
                 metavar="CHECKPOINT...")
 @click.option("--manifest", metavar="PATH", type=click.Path(dir_okay=False),
@@ -102,6 +102,14 @@ def verify(checkpoints: tuple[str, ...], manifest: str | None, deep: bool, key: 
     CHECKPOINT is a file or a save_pretrained folder; several are checked one by one (as a
     pre-commit hook passes them) and the worst exit code wins. For a .safetensors file it reads
     the header only, without importing torch.
+
+    \b
+    Examples:
+      surgery verify model.ckpt                        # exit 1 if a wrapper segment is left
+      surgery verify last.ckpt --prefix model.         # a LightningModule's inner model
+      surgery verify model.safetensors --manifest model.surgery.toml   # bound to its plan?
+      surgery verify model.safetensors --deep          # NaN/Inf, float64, shared storage
+      surgery verify ckpts/*.pt --json                 # one report per file, worst exit wins
     """
     def one(checkpoint: str) -> int:
         resolved = _resolve(checkpoint, fmt, quiet=as_json)
@@ -133,7 +141,7 @@ def _parse_shard_size(ctx: click.Context, param: click.Parameter, value: str | N
         raise click.BadParameter(str(e)) from None
 
 
-@cli.command(epilog=EPILOG)
+@cli.command(epilog=exit_epilog(0, 2, 3, 130))
 @click.argument("checkpoint", type=click.Path())
 @click.option("-o", "--output", required=True, metavar="OUT.safetensors",
               help="Where to write (shards are named after it).")
@@ -160,6 +168,13 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
 
     CHECKPOINT is a file or a save_pretrained folder. The write is atomic and streams tensor
     by tensor; the input is never modified.
+
+    \b
+    Examples:
+      surgery export model.ckpt -o model.safetensors --manifest model.surgery.toml
+      surgery export last.ckpt --prefix model. -o model.safetensors   # Lightning's inner model
+      surgery export ema.pt --key ema -o ema.safetensors               # one entry of a container
+      surgery export ./bert/ -o bert.safetensors --max-shard-size 2GB  # shards + index.json
     """
     if not output.endswith(".safetensors"):
         raise click.BadParameter(f"{output!r} does not end in .safetensors",

@@ -11,7 +11,6 @@ from typing import Any
 import click
 
 from surgery.cli.app import (
-    EPILOG,
     FORMAT_OPTION,
     _each,
     _factory_spec,
@@ -19,6 +18,7 @@ from surgery.cli.app import (
     _resolve,
     cli,
     emit_json,
+    exit_epilog,
     handle_errors,
 )
 from surgery.errors import OutputExistsError
@@ -26,6 +26,7 @@ from surgery.formats import source as sources
 from surgery.formats.manifest import dumps_manifest
 from surgery.formats.safe_write import write_text_atomic
 from surgery.planning import plan as planner
+from surgery.planning.regions import check_kinds
 
 
 def _fmt_count(n: int) -> str:
@@ -72,7 +73,7 @@ def _render_coverage(cov: dict[str, Any]) -> None:
         click.echo(f"  eager {r['share']:>6.1%} {r['ms']:>9.3f} ms  {r['path']}")
 
 
-@cli.command(epilog=EPILOG)
+@cli.command(epilog=exit_epilog(0, 2, 3, 130))
 @click.argument("source", required=False, type=click.Path())
 @click.option("--model", "model_spec", metavar="PKG.MOD:FACTORY", callback=_factory_spec,
               help="Plan a live model built by this factory instead of a checkpoint. A live "
@@ -109,7 +110,8 @@ def _render_coverage(cov: dict[str, Any]) -> None:
               help="Who captures CUDA graphs. 'region' (default): surgery captures one graph per "
               "region path and replays it without entering dynamo, which cuts the host time of "
               "each call several-fold (benchmarks/RESULTS.md; the contract is in "
-              "surgery/graphs.py). 'compiler': inductor's cudagraph trees (mode reduce-overhead).")
+              "surgery/runtime/graphs/replay.py). 'compiler': inductor's cudagraph trees (mode "
+              "reduce-overhead).")
 @click.option("--input", "input_spec", metavar="PKG.MOD:STEP", callback=_factory_spec,
               help="With --model: plan from evidence. STEP(model) runs one step: it may call "
               "model(x), model.forward(x), a method such as model.generate(...), or a loop "
@@ -212,7 +214,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
         _render_notes(summary["notes"])
 
 
-@cli.command(epilog=EPILOG)
+@cli.command(epilog=exit_epilog(0, 2, 3, 130))
 @click.argument("manifests", nargs=-1, required=True, type=click.Path(dir_okay=False),
                 metavar="MANIFEST...")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
@@ -223,10 +225,18 @@ def check(manifests: tuple[str, ...], as_json: bool) -> None:
     MANIFEST is a .surgery.toml, or an export (.safetensors, *.index.json) that embeds one.
     Errors name the TOML location of the problem (e.g. region[2].paths[0]) and its line.
     Exit 0 when all are valid, 3 when one is not.
+
+    \b
+    Examples:
+      surgery check model.surgery.toml                 # after editing it by hand
+      surgery check manifests/*.surgery.toml           # several: the worst exit code wins
+      surgery check model.safetensors                  # the manifest an export embeds
+      surgery check model.surgery.toml --json
     """
 
     def one(manifest: str) -> int:
         m = sources.load_manifest_file(manifest)
+        check_kinds(m)
         paths = sum(len(r.paths) for r in m.regions)
         if as_json:
             emit_json({"manifest": manifest, "valid": True, "regions": len(m.regions),
@@ -254,7 +264,7 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
     return out
 
 
-@cli.command(epilog=EPILOG)
+@cli.command(epilog=exit_epilog(0, 2, 3, 130))
 @click.option("--model", "model_spec", required=True, metavar="PKG.MOD:FACTORY",
               callback=_factory_spec,
               help="Factory that builds the model (with its weights or not: shapes matter).")

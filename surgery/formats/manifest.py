@@ -11,7 +11,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -239,8 +239,12 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
         if parts[:1] == ["left_out"] and len(parts) > 1:
             parts[1] += left_offset  # the view holds one left_out entry: name it as in the file
         loc = format_location(parts)
+        # The next problems too, up to two: "(and 1 more problem(s))" alone hid a misspelt
+        # [compil] table behind "'compile' is a required property".
+        others = [f"{format_location(list(x.absolute_path))}: {x.message}"
+                  for x in errors if x is not e][:2]
         _raise(f"{loc}: {e.message}", path=path, location=loc, text=text,
-               more=len(errors) - 1, at_least=len(errors) == cap)
+               more=len(errors) - 1, at_least=len(errors) == cap, others=others)
     dup = duplicate_across_regions(data.get("region", []))
     if dup is not None:
         _raise(f"{dup.location}: {dup.message}", path=path, location=dup.location, text=text,
@@ -261,10 +265,12 @@ def validate(data: Mapping[str, Any], *, path: str | None = None, text: str | No
 
 
 def _raise(msg: str, *, path: str | None, location: str, text: str | None, more: int = 0,
-           hint: str | None = None, at_least: bool = False) -> None:
+           hint: str | None = None, at_least: bool = False, others: Sequence[str] = ()) -> None:
     line = _line_of(text, location) if text else None
     where = f"{path or 'manifest'}" + (f":{line}" if line else "")
-    extra = f" (and {'at least ' if at_least else ''}{more} more problem(s))" if more else ""
+    rest = more - len(others)
+    extra = "".join(f"; also {printable(o)}" for o in others) + (
+        f" (and {'at least ' if at_least else ''}{rest} more problem(s))" if rest > 0 else "")
     msg = printable(msg)  # a schema message quotes the value: one line, cut
     raise ManifestError(f"{where}: {msg}{extra}", path=path, location=location,
                         hint=hint or "edit the manifest, or plan it again with `surgery plan`")

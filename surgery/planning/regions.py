@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from surgery.errors import RegionError
+from surgery.errors import ManifestError, RegionError
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest
 from surgery.planning.blocks import (
     STREAMING_CONTAINERS,
     fixed_parts,
@@ -372,3 +373,28 @@ def _closest_hint(view: ModelView, pattern: str) -> str:
     close = difflib.get_close_matches(pattern, [p for p in view.modules if p], n=1)
     near = f"; did you mean {close[0]!r}?" if close else ""
     return f"globs match dotted module paths such as 'aggregator.frame_blocks.*'{near}"
+
+
+# Every kind surgery's planners write. A kind is a label (the report groups by it), except where
+# it selects behaviour (piecewise, the clone defaults), so a misspelt one must not pass quietly.
+PLANNED_KINDS: tuple[str, ...] = (
+    FRAME_BLOCK, PATCH_EMBED_BLOCK, ATTN_PRE, FFN_RESIDUAL, ATTN_PROJ, REPEATED_BLOCK, PATCH_EMBED,
+    BLOCK_STACK, CUSTOM, FIXED_PART, PIECEWISE_KIND, "observed")  # evidence.OBSERVED
+
+
+def check_kinds(manifest: Manifest) -> None:
+    """Refuse a region kind that reads as a misspelling of a planned kind (`repeated_blocks`).
+
+    Other labels pass: an ``--include 'GLOB:method'`` region is named after its method.
+    """
+    for i, region in enumerate(manifest.regions):
+        if region.kind in PLANNED_KINDS:
+            continue
+        close = difflib.get_close_matches(region.kind, PLANNED_KINDS, n=1, cutoff=0.8)
+        if close:
+            where = manifest.source_path or "manifest"
+            raise ManifestError(
+                f"{where}: region[{i}].kind = {region.kind!r} is not a kind surgery plans; "
+                f"did you mean {close[0]!r}?", path=manifest.source_path,
+                location=f"region[{i}].kind",
+                hint=f"write kind = {close[0]!r} (the kinds: {', '.join(PLANNED_KINDS)})")

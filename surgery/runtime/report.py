@@ -205,11 +205,15 @@ class ApplyReport(Sequence[RegionRecord]):
             more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
             lines.append(f"  {status}: {paths[0]}{more}: {reason}")
         recompiled = [r for r in self.records if r.recompiles]
-        if recompiled:
-            lines.append("recompiles: " + ", ".join(f"{r.path} ({r.recompiles})"
-                                                    for r in recompiled[:6])
-                         + (" ..." if len(recompiled) > 6 else "")
-                         + " (TORCH_LOGS=recompiles names the guard that failed)")
+        if recompiled:  # with what differed, as summary() says it: a count alone explains nothing
+            lines.append("recompiles: " + ", ".join(
+                f"{r.path} ({r.recompiles}" + (f": {r.recompile_reasons[-1]}"
+                                               if r.recompile_reasons else "") + ")"
+                for r in recompiled[:6]) + (" ..." if len(recompiled) > 6 else "")
+                + ("" if all(r.recompile_reasons for r in recompiled[:6]) else
+                   " (TORCH_LOGS=recompiles names the guard that failed)"))
+            fixes = sorted({r.fix for r in recompiled if r.fix})
+            lines += [f"  fix: {f}" for f in fixes[:3]]
         if self.cache is not None and self.cache.line():
             lines.append(self.cache.line())
         lines += [f"note: {n}" for n in self.notes]
