@@ -31,6 +31,8 @@ from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle, cache_counters, save_bundle
 from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
+from surgery.runtime.graph_memory import collect_memory, note_expandable_segments, parse_size
+from surgery.runtime.graphs.arena import arena_of
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
 from surgery.runtime.groups import _Group
@@ -62,11 +64,6 @@ __all__ = [
     "ManifestSource", "RegionFallbackWarning", "RegionRecord", "SurgeryWarning", "apply_manifest",
     "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
 ]
-
-# Before pytorch#128068 (torch 2.5) the allocator could not checkpoint a private pool holding
-# expandable segments, as cudagraph trees do ("!block->expandable_segment_ INTERNAL ASSERT
-# FAILED"): we warn below it; later, hangs were still reported (torchtitan#3306), so we note it.
-_EXPANDABLE_SEGMENTS_OK_FROM = (2, 5)
 
 # --- the handle --------------------------------------------------------------------------------
 
@@ -179,6 +176,7 @@ def apply_manifest(
     strict: bool = True,
     passes: int | None = None,
     cache: str | os.PathLike[str] | bool | None = None,
+    max_graph_memory: int | str | None = None,
 ) -> ApplyHandle:
     """Compile the manifest's regions of ``model`` in place, warm them up, and report.
 
@@ -199,13 +197,19 @@ def apply_manifest(
     was built for this manifest, these overrides, this torch / triton / CUDA and this GPU;
     otherwise one CacheIgnoredWarning says why and the regions compile as usual.
     ``report.cache`` records which, and how many warm-up compiles hit the caches.
+
+    ``max_graph_memory`` (bytes, or ``"2GiB"``) caps what region graphs hold on the device;
+    past it, paths run compiled without a graph (surgery.runtime.graph_memory).
+    ``report.memory`` says what they hold, per path and in total.
     """
     m = resolve_manifest(manifest)
+    cap = parse_size(max_graph_memory)
     binding = bind_model(model, m, strict=strict)
     records: list[RegionRecord] = []
     report = ApplyReport(records)
     report.notes += binding.notes  # a cast since the plan, an older fingerprint
     handle = ApplyHandle(model, m, report)
+    report.memory_source = lambda: collect_memory(handle._slots)
     handle._overrides = dict(overrides or {})
     dev = _device_of(model, model)
     handle._device = str(dev) if dev.type == "cuda" else dev.type
@@ -259,6 +263,8 @@ def apply_manifest(
             else:
                 handle._slots.append(_install(mod, name, rec, region, plan, groups, state,
                                               handle._precompiled))
+            if plan.capture_region:  # the cap is per device: the latest apply sets it
+                arena_of(_capturer_for(mod)).limit = cap
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
@@ -272,7 +278,7 @@ def apply_manifest(
             torch.backends.mha.set_fastpath_enabled(False)
             report.notes.append("nn.MultiheadAttention fastpath turned off while applied")
         if cuda_graph_regions:
-            _note_expandable_segments(report)
+            note_expandable_segments(report)
         if clone_risk:
             warnings.warn(f"surgery: {len(clone_risk)} region path(s) (e.g. {clone_risk[0]}) "
                           f"were {CLONE_RISK}", SurgeryWarning, stacklevel=2)
@@ -335,21 +341,6 @@ def _capturer_for(module: nn.Module) -> Capturer:
     if index not in _CAPTURERS:
         _CAPTURERS[index] = CudaCapturer(index)
     return _CAPTURERS[index]
-
-
-def _note_expandable_segments(report: ApplyReport) -> None:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if "expandable_segments:true" not in conf.replace(" ", "").lower():
-        return
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version < _EXPANDABLE_SEGMENTS_OK_FROM:
-        warnings.warn(
-            f"surgery: PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which cudagraph trees in "
-            f"torch {torch.__version__} do not support (pytorch#128068, fixed in torch 2.5): "
-            "expect an INTERNAL ASSERT in the caching allocator. Unset it, or upgrade torch.",
-            SurgeryWarning, stacklevel=3)
-    report.notes.append("expandable_segments is set together with CUDA graphs; if capture "
-                        "hangs or asserts, unset it first")
 
 
 def _warm_up(handle: ApplyHandle, manifest: Manifest,

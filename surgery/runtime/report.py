@@ -7,7 +7,7 @@ means that compiled code ran for that path (counted, not assumed).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,13 @@ class ApplyReport(Sequence[RegionRecord]):
         self.warmup_passes = 0
         self.dynamo_unique_graphs = 0  # torch._dynamo's own counter, over warm-up
         self.cache: CacheRecord | None = None  # compile-cache bundle and cache hits, over warm-up
+        # What the region graphs hold now (surgery.runtime.graph_memory, set by apply_manifest).
+        self.memory_source: Callable[[], GraphMemory] | None = None
+
+    @property
+    def memory(self) -> GraphMemory:
+        """What surgery's region graphs hold now, per path and in total (live)."""
+        return self.memory_source() if self.memory_source is not None else GraphMemory([])
 
     def __getitem__(self, i: Any) -> Any:
         return self.records[i]
@@ -167,6 +174,9 @@ class ApplyReport(Sequence[RegionRecord]):
                 lines.append(f"           fix: {r.fix}")
         if self.cache is not None and self.cache.line():
             lines.append(f"  {self.cache.line()}")
+        mem = self.memory
+        if mem.paths:
+            lines.append(f"  {mem.line()}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -216,6 +226,9 @@ class ApplyReport(Sequence[RegionRecord]):
             lines += [f"  fix: {f}" for f in fixes[:3]]
         if self.cache is not None and self.cache.line():
             lines.append(self.cache.line())
+        mem = self.memory
+        if mem.paths:
+            lines.append(mem.line())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -274,3 +287,65 @@ class CacheRecord:
                if self.precompiled else "") + (
             f", {self.precompiled_unused} stale" if self.precompiled_unused else "")
         return state + pre + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")
+
+
+@dataclass
+class PathMemory:
+    """What one region path's graphs hold, in bytes. A buffer that several paths share counts
+    once, at the first path (in manifest order) that uses it, so the paths sum to the total."""
+
+    path: str
+    outputs: int = 0  # output sets (ring sets x their bytes)
+    static_inputs: int = 0  # the graphs' input buffers (inputs read in place cost nothing)
+    pool: int = 0  # what its captures added to the capture pool (CUDA; reserved bytes)
+    output_sets: int = 0  # sets its graphs write
+    shared: int = 0  # buffers it uses that an earlier path's bytes already count
+
+
+@dataclass
+class GraphMemory:
+    """What surgery's region graphs hold now (``handle.report.memory``), in bytes.
+
+    ``pool`` is the capture pool's size read from the CUDA allocator when it can be read, else
+    the sum of what each capture added to reserved memory. Inductor's workspaces are
+    temporaries of the compiled code, so inside a graph they are part of the pool.
+    """
+
+    paths: list[PathMemory]
+    pool_reserved: int | None = None
+    limit: int | None = None  # max_graph_memory, when set
+    over_cap: list[str] = field(default_factory=list)  # paths the cap kept a graph from
+
+    @property
+    def outputs(self) -> int:
+        return sum(p.outputs for p in self.paths)
+
+    @property
+    def static_inputs(self) -> int:
+        return sum(p.static_inputs for p in self.paths)
+
+    @property
+    def pool(self) -> int:
+        return self.pool_reserved if self.pool_reserved is not None else \
+            sum(p.pool for p in self.paths)
+
+    @property
+    def total(self) -> int:
+        return self.outputs + self.static_inputs + self.pool
+
+    def by_path(self, path: str) -> PathMemory:
+        return next(p for p in self.paths if p.path == path)
+
+    def line(self) -> str:
+        """"region graphs hold 4.70 GiB: outputs 3.10, static inputs 0.90, pool 0.70" """
+        unit, div = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
+        text = (f"region graphs hold {self.total / div:.2f} {unit}: outputs "
+                f"{self.outputs / div:.2f}, static inputs {self.static_inputs / div:.2f}, pool "
+                f"{self.pool / div:.2f} ({len(self.paths)} path(s), "
+                f"{sum(p.shared for p in self.paths)} shared buffer use(s))")
+        if self.limit is not None:
+            text += f"; max_graph_memory {self.limit / div:.2f} {unit}"
+        if self.over_cap:
+            text += (f", {len(self.over_cap)} path(s) over it run without a graph or clone "
+                     f"(e.g. {self.over_cap[0]})")
+        return text

@@ -40,11 +40,13 @@ class Capturer(Protocol):
     ``owned`` maps the storage address of every live region graph's owned output to its output
     set: an input found there has a stable address, so a graph reads it in place instead of
     copying it. The CUDA capturer holds the sets weakly: a model dropped without ``restore()``
-    frees its graphs and buffers.
+    frees its graphs and buffers. A capturer may also carry ``arena`` (the shared buffers,
+    surgery.runtime.graphs.arena; one is attached when missing) and ``last_growth`` (bytes the
+    last capture added to the pool).
     """
 
     device: int
-    owned: MutableMapping[int, Any]  # -> surgery.runtime.graphs.outputs._Outputs
+    owned: MutableMapping[int, Any]  # -> surgery.runtime.graphs.outputs.OutputSet
 
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
@@ -63,6 +65,8 @@ class CudaCapturer:
         self.device = device
         self.owned: MutableMapping[int, Any] = weakref.WeakValueDictionary()
         self.live = 0  # graphs of the current pool still alive
+        self.arena: Any = None  # surgery.runtime.graphs.arena.BufferArena, attached by its user
+        self.last_growth = 0  # reserved bytes the last capture added (its pool's temporaries)
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
 
@@ -71,9 +75,12 @@ class CudaCapturer:
             self._stream = torch.cuda.Stream(self.device)
         if self.live == 0:
             self._pool = torch.cuda.graph_pool_handle()
+            if self.arena is not None:
+                self.arena.pool_bytes = 0
         side, current = self._stream, torch.cuda.current_stream(self.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.stream(side):
             work()  # warm the side stream (cuBLAS workspace, lazy inits) outside the capture
             graph.capture_begin(pool=self._pool)
@@ -85,7 +92,23 @@ class CudaCapturer:
                 raise
             graph.capture_end()
         current.wait_stream(side)
+        # The pool's growth, and the side stream's cache for the warm-up run before it.
+        self.last_growth = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        if self.arena is not None:
+            self.arena.pool_bytes += self.last_growth
         return _PooledGraph(graph, self)
+
+    def pool_reserved(self) -> int | None:
+        """Bytes the current capture pool holds (the allocator's snapshot), or None."""
+        if self._pool is None:
+            return None
+        try:
+            segments = torch.cuda.memory_snapshot()
+        except Exception:  # the snapshot's layout is private; its absence costs only this figure
+            return None
+        want = tuple(self._pool)
+        return sum(int(seg.get("total_size", 0)) for seg in segments
+                   if tuple(seg.get("segment_pool_id", ())) == want)
 
 
 class _PooledGraph:

@@ -130,14 +130,31 @@ class _Watch:
                 and list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs)
 
 
-@dataclass
-class _Outputs:
-    """One set of owned output buffers, and the graph that writes them."""
+class OutputSet:
+    """One set of owned output buffers, written by the graphs of one or more region paths
+    (surgery.runtime.graphs.arena shares a set between paths whose outputs do not outlive the
+    call after them).
 
-    graph: Graph
-    tensors: list[torch.Tensor]  # in output order; views of `storages`, laid out as compiled
-    storages: list[Any]  # the distinct storages, one object each
-    baseline: list[int]  # their use counts with only surgery's own references
+    ``baseline`` is each storage's use count with only surgery's own references (this set's
+    tensors and storage objects, plus one per graph that reads it in place): more means that
+    someone still holds what a replay returned from it.
+    """
+
+    __slots__ = ("__weakref__", "baseline", "shared", "storages", "tensors", "writers")
+
+    def __init__(self, tensors: list[torch.Tensor], *, shared: bool) -> None:
+        self.tensors = tensors  # in output order; views of `storages`, laid out as compiled
+        distinct = {o.untyped_storage().data_ptr(): o.untyped_storage() for o in tensors}
+        self.storages: list[Any] = list(distinct.values())  # the distinct storages, one each
+        self.shared = shared  # may other paths' graphs write it (a path's first set)?
+        self.writers = 0  # graphs that write it
+        count = _use_count
+        assert count is not None  # RegionGraphs never captures without it
+        self.baseline = [count(s._cdata) for s in self.storages]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.storages)
 
     def index(self, t: torch.Tensor) -> int:
         """Which of this set's storages holds ``t``."""
@@ -152,8 +169,30 @@ class _Outputs:
         """Does anyone but us still reference what an earlier replay returned from this set?"""
         pairs = zip(self.storages, self.baseline, strict=True)
         count = _use_count
-        assert count is not None  # RegionGraphs never captures without it
+        assert count is not None
         return any(count(s._cdata) > b for s, b in pairs)
+
+
+@dataclass
+class _Outputs:
+    """One graph, and the output set it writes."""
+
+    graph: Graph
+    set: OutputSet
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.set.tensors
+
+    @property
+    def storages(self) -> list[Any]:
+        return self.set.storages
+
+    def hand_out(self, clone: bool) -> list[torch.Tensor]:
+        return self.set.hand_out(clone)
+
+    def held(self) -> bool:
+        return self.set.held()
 
 
 @dataclass
@@ -163,7 +202,7 @@ class _Captured:
     inputs: list[torch.Tensor]  # the graphs' input buffers, in _flatten order
     copied: list[int]  # inputs copied into those buffers before each replay
     adopted: list[tuple[int, int]]  # (input, address): read in place from another region's output
-    adopted_from: list[tuple[_Outputs, int]]  # whose output each adopted input is
+    adopted_from: list[tuple[OutputSet, int]]  # whose output each adopted input is
     written: list[int]  # inputs the region writes in place: copied back after each replay
     rebuild: Callable[[list[torch.Tensor]], Any]
     layout: _Layout  # how to allocate a new output set

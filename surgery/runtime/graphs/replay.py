@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from surgery.runtime.graphs import outputs
+from surgery.runtime.graphs.arena import arena_of, fmt_bytes
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer, Graph, WriteProbe
 from surgery.runtime.graphs.collectives import (
     collective_counts,
@@ -63,7 +64,6 @@ from surgery.runtime.graphs.collectives import (
 from surgery.runtime.graphs.outputs import (
     MAX_OUTPUT_SETS,
     NO_USE_COUNT,
-    _alloc_like,
     _Captured,
     _flatten,
     _flatten_args,
@@ -107,6 +107,9 @@ class RegionGraphs:
         self.moved = 0  # replays refused because an adopted input was somewhere else
         self.output_sets = 0  # the most output sets any signature needed
         self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
+        self.arena = arena_of(capturer)  # shared static inputs and output sets; the cap
+        self.pool_bytes = 0  # what its captures added to the capture pool (CUDA: reserved)
+        self.over_cap = ""  # set when max_graph_memory kept a graph or a ring set from it
         self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
         # ready(args, kwargs): True when the call compiles nothing, so its first call captures.
         self.ready: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
@@ -179,6 +182,10 @@ class RegionGraphs:
         # since aliases returned before the switch may still live.
         outs = next((o for o in cap.sets if not o.held()), None)
         grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
+        if grow and not self.arena.admits(self.arena.set_needed(cap.layout, set(), first=False)):
+            grow = False
+            self.clone = True  # clones live outside the graphs' memory
+            self._over_cap("another output set for its ring", 0, "clones its outputs")
         if outs is None and not grow:
             if not self.clone:
                 self.clone = True
@@ -220,22 +227,26 @@ class RegionGraphs:
         """Forget one signature's graphs; it is one sighting from being captured again."""
         cap = self.graphs.pop(sig)
         for outs in cap.sets:
-            for s in outs.storages:
-                self.capturer.owned.pop(s.data_ptr(), None)
+            outs.set.writers -= 1
+            if outs.set.writers == 0:  # no graph writes it any more: not a stable address
+                for s in outs.storages:
+                    self.capturer.owned.pop(s.data_ptr(), None)
         for owner, j in cap.adopted_from:  # our references to their outputs are gone
             owner.baseline[j] -= 1
         self.seen[sig] = 1
 
-    def _new_set(self, cap: _Captured) -> _Outputs | None:
-        """Capture a graph writing a fresh output set; None (and capture off) if it fails.
+    def _new_set(self, cap: _Captured, avoid: set[int] | None = None) -> _Outputs | None:
+        """Capture a graph writing another output set; None (and capture off) if it fails.
 
-        The inputs must already be in place: the warm-up run inside the capture computes this
-        call's outputs into the new set.
+        The set comes from the arena (surgery.runtime.graphs.arena): a path's first set may be
+        one that another path's graph writes too, when nobody holds it and no input of this
+        call (storage addresses ``avoid``) lives in it. The inputs must already be in place:
+        the warm-up run inside the capture computes this call's outputs into the set.
         """
-        owned = _alloc_like(cap.layout)
+        owned = self.arena.output_set(cap.layout, avoid or set(), first=not cap.sets)
         t0 = time.perf_counter()
         try:
-            graph = self.capturer.capture(cap.work(owned))
+            graph = self.capturer.capture(cap.work(owned.tensors))
         except Exception as exc:  # any capture failure means: run uncaptured
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             self.disabled = (f"CUDA-graph capture failed ({type(exc).__name__}: {first}); "
@@ -245,17 +256,32 @@ class RegionGraphs:
             return None
         finally:
             self.capture_s += time.perf_counter() - t0
-        distinct = {o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}
-        storages = list(distinct.values())
-        outs = _Outputs(graph, owned, storages, [])
-        count = outputs._use_count
-        assert count is not None
-        outs.baseline = [count(s._cdata) for s in storages]
-        for s in storages:
-            self.capturer.owned[s.data_ptr()] = outs
+        self.pool_bytes += int(getattr(self.capturer, "last_growth", 0) or 0)
+        outs = _Outputs(graph, owned)
+        owned.writers += 1
+        for s in owned.storages:
+            self.capturer.owned[s.data_ptr()] = owned
         cap.sets.append(outs)
         self.captures += 1
         return outs
+
+    def _over_cap(self, what: str, need: int, instead: str) -> None:
+        """max_graph_memory keeps ``what`` from this path: say so once, in its notes."""
+        arena = self.arena
+        self.over_cap = (f"{what} would take region graphs past max_graph_memory = "
+                         f"{fmt_bytes(arena.limit or 0)} (they hold {fmt_bytes(arena.used())}, "
+                         f"{fmt_bytes(need)} more needed); {instead}")
+        self.notes.append(self.over_cap)
+
+    def buffers(self) -> tuple[list[Any], list[Any]]:
+        """(output storages, static input storages) of this path's graphs, for the report."""
+        sets: list[Any] = []
+        inputs: list[Any] = []
+        for cap in self.graphs.values():
+            for o in cap.sets:
+                sets += o.storages
+            inputs += [cap.inputs[i].untyped_storage() for i in cap.copied]
+        return sets, inputs
 
     def _capture(self, sig: tuple[Any, ...], tensors: list[torch.Tensor],
                  args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
@@ -285,10 +311,22 @@ class RegionGraphs:
                   for i, t in enumerate(tensors) if self.adopt and i not in writes}
         adopted = [(i, tensors[i].data_ptr()) for i, o in owners.items() if o is not None]
         adopt = {i for i, _ in adopted}
-        inputs = [t if i in adopt else
-                  torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                  for i, t in enumerate(tensors)]
         copied = [i for i in range(len(tensors)) if i not in adopt]
+        layout = _layout_of(outputs)
+        avoid = {t.untyped_storage().data_ptr() for t in tensors}
+        arena = self.arena
+        need = arena.inputs_needed(tensors, copied) + arena.set_needed(layout, avoid, first=True)
+        if not arena.admits(need):
+            self.disabled = "not captured: over max_graph_memory"
+            self._over_cap("its graph", need, "runs compiled without a graph")
+            return None
+        # Static input buffers, shared with every path whose input has the same layout: a graph
+        # reads them only while it replays, right after they are copied in (arena.py).
+        static = arena.static_inputs(tensors, copied)
+        # An input read in place is kept as a view of its own: two regions reading one output
+        # (a block's x into attn_pre and ffn_residual) then hold two references, one each, as
+        # its owner's baseline counts them; the caller's own tensor stays the caller's.
+        inputs = [static[i] if i in static else t.detach() for i, t in enumerate(tensors)]
         for i in copied:
             inputs[i].copy_(tensors[i])
         probe = WriteProbe(inputs)
@@ -309,9 +347,8 @@ class RegionGraphs:
         # The graph keeps each adopted input alive: one more reference its owner must expect.
         adopted_from = [(owner, owner.index(tensors[i])) for i, _ in adopted
                         if (owner := owners[i]) is not None]
-        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, _layout_of(outputs),
-                        work, [])
-        outs = self._new_set(cap)
+        cap = _Captured(inputs, copied, adopted, adopted_from, [], rebuild, layout, work, [])
+        outs = self._new_set(cap, avoid)
         if outs is None:
             return None
         # Written in the capture's run, or in the call before it (the union: for an inference

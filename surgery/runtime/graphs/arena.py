@@ -1,0 +1,195 @@
+"""Buffers that region graphs share: static inputs and output sets that several region paths'
+graphs use, so that a hundred paths hold about what the few live at once need (issue 20).
+
+Why. Each region path's graph reads its inputs from buffers of its own and writes its outputs
+into buffers of its own (surgery.runtime.graphs.replay). Per path that is one activation each
+way, where eager holds a few activations at a time; with 160 paths it was most of a +43% peak.
+
+What is shared, and why it is safe.
+- **Static inputs.** A graph reads its input buffers only while it replays, and surgery copies
+  the caller's tensors into them just before (and the ones it writes back just after). Two
+  region graphs never replay at the same time (one stream, as replay.py says), so every path
+  with an input of the same shape, strides, dtype, device and inference mode reads one buffer.
+  The k-th input of a layout within one call gets the k-th buffer: one call's inputs never share.
+- **Output sets.** A set may be overwritten once nothing outside surgery references what an
+  earlier replay returned from it: the held check (its storages' use counts) decides before
+  every replay, whichever path's graph wrote it last. So a path's *first* set is any set of its
+  layout that nobody holds now and that none of this call's inputs lives in, or a new one.
+  Blocks chained ``x = block(x)`` then take turns over two or three sets instead of one each.
+  Sets a path adds to its ring (its outputs are kept across calls: a KV cache) are its own, so
+  one cache's rotation never takes the sets another needs.
+- Nothing is kept alive here: the arena holds buffers weakly, the graphs that use them hold them.
+
+Accounting. ``used()`` is what the live buffers hold (each storage once) plus the capture
+pool's growth (``pool_bytes``, filled in by the capturer: on CUDA, the reserved memory each
+capture added). ``limit`` (``apply_manifest(max_graph_memory=...)``) is checked before each new
+buffer or capture: past it the path runs compiled without a graph (replay.py notes why). The
+pool's growth of a capture is known only after it, so the cap holds to within one capture's
+temporaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from surgery.runtime.graphs.outputs import OutputSet, _alloc_like, _Layout
+
+
+@dataclass
+class MemoryPolicy:
+    """What the arena shares; a benchmark turns each off to measure what it saves."""
+
+    share_inputs: bool = True
+    share_outputs: bool = True
+
+
+# Read when an arena is made (one per capturer, so per device).
+POLICY = MemoryPolicy()
+
+# A static input buffer: shape, strides, dtype, device, inference mode, k-th of it in one call.
+_InputKey = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device, bool, int]
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors``."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _layout_bytes(layout: _Layout) -> int:
+    return sum(dict((n, nbytes) for n, nbytes, *_ in layout).values())
+
+
+class BufferArena:
+    """The shared static inputs and output sets of every region graph of one capturer."""
+
+    def __init__(self, policy: MemoryPolicy | None = None) -> None:
+        p = policy or POLICY
+        self.share_inputs = p.share_inputs
+        self.share_outputs = p.share_outputs
+        self.limit: int | None = None  # bytes; None: no cap
+        self.pool_bytes = 0  # capture pool growth (the capturer adds to it)
+        self._ids = itertools.count()
+        self._inputs: weakref.WeakValueDictionary[_InputKey, torch.Tensor] = \
+            weakref.WeakValueDictionary()
+        self._all_inputs: weakref.WeakValueDictionary[int, torch.Tensor] = \
+            weakref.WeakValueDictionary()
+        self._sets: dict[tuple[Any, ...], list[weakref.ref[OutputSet]]] = {}
+        self._all_sets: weakref.WeakValueDictionary[int, OutputSet] = \
+            weakref.WeakValueDictionary()
+
+    # --- static inputs ---------------------------------------------------------------------
+
+    def _input_keys(self, tensors: list[torch.Tensor], which: list[int]) -> list[_InputKey]:
+        inference = torch.is_inference_mode_enabled()
+        seen: dict[tuple[Any, ...], int] = {}
+        keys = []
+        for i in which:
+            t = tensors[i]
+            base = (t.shape, t.stride(), t.dtype, t.device, inference)
+            k = seen[base] = seen.get(base, -1) + 1
+            keys.append((*base, k))
+        return keys
+
+    def inputs_needed(self, tensors: list[torch.Tensor], which: list[int]) -> int:
+        """Bytes of the new buffers ``static_inputs`` would make for these inputs."""
+        keys = self._input_keys(tensors, which)
+        return sum(_strided_bytes(tensors[i]) for i, key in zip(which, keys, strict=True)
+                   if not (self.share_inputs and key in self._inputs))
+
+    def static_inputs(self, tensors: list[torch.Tensor], which: list[int]
+                      ) -> dict[int, torch.Tensor]:
+        """A buffer for each input in ``which``, laid out like it (shared when allowed)."""
+        out = {}
+        for i, key in zip(which, self._input_keys(tensors, which), strict=True):
+            buf = self._inputs.get(key) if self.share_inputs else None
+            if buf is None:
+                t = tensors[i]
+                buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                self._all_inputs[next(self._ids)] = buf
+                if self.share_inputs:
+                    self._inputs[key] = buf
+            out[i] = buf
+        return out
+
+    # --- output sets -----------------------------------------------------------------------
+
+    def _free_set(self, layout: _Layout, avoid: set[int]) -> OutputSet | None:
+        key = (tuple(layout), torch.is_inference_mode_enabled())
+        refs = self._sets.get(key, [])
+        refs[:] = [r for r in refs if r() is not None]
+        for r in refs:
+            s = r()
+            if s is not None and not s.held() and not any(st.data_ptr() in avoid
+                                                          for st in s.storages):
+                return s
+        return None
+
+    def set_needed(self, layout: _Layout, avoid: set[int], *, first: bool) -> int:
+        """Bytes ``output_set`` would allocate."""
+        if first and self.share_outputs and self._free_set(layout, avoid) is not None:
+            return 0
+        return _layout_bytes(layout)
+
+    def output_set(self, layout: _Layout, avoid: set[int], *, first: bool) -> OutputSet:
+        """A path's output set: for its first set (``first``), one of this layout that nobody
+        holds and no input of this call (storage addresses ``avoid``) lives in, if any;
+        otherwise a new one, shared only if it is a path's first."""
+        if first and self.share_outputs:
+            found = self._free_set(layout, avoid)
+            if found is not None:
+                return found
+        fresh = OutputSet(_alloc_like(layout), shared=first and self.share_outputs)
+        self._all_sets[next(self._ids)] = fresh
+        if fresh.shared:
+            key = (tuple(layout), torch.is_inference_mode_enabled())
+            self._sets.setdefault(key, []).append(weakref.ref(fresh))
+        return fresh
+
+    # --- accounting and the cap ------------------------------------------------------------
+
+    def held_bytes(self) -> tuple[int, int]:
+        """(output sets, static inputs): bytes of the live buffers, each storage once."""
+        sets = {s.data_ptr(): s.nbytes() for o in list(self._all_sets.values())
+                for s in o.storages}
+        inputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in list(self._all_inputs.values())}
+        return sum(sets.values()), sum(inputs.values())
+
+    def used(self) -> int:
+        return sum(self.held_bytes()) + self.pool_bytes
+
+    def admits(self, nbytes: int) -> bool:
+        """Would ``nbytes`` more stay within the cap?"""
+        return self.limit is None or self.used() + nbytes <= self.limit
+
+
+def _strided_bytes(t: torch.Tensor) -> int:
+    """Bytes ``torch.empty_strided(t.shape, t.stride())`` allocates."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return span * t.element_size()
+
+
+def arena_of(capturer: Any) -> BufferArena:
+    """The capturer's arena; a capturer without one (an older one, a test's) gets one, or, if
+    it takes no attributes, each of its paths gets one of its own (nothing shared)."""
+    arena = getattr(capturer, "arena", None)
+    if arena is None:
+        arena = BufferArena()
+        try:
+            capturer.arena = arena
+        except AttributeError:
+            pass
+    return arena
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes for a person: GiB from 1 GiB, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
