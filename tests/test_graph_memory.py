@@ -266,3 +266,90 @@ def test_graphs_without_an_arena_on_their_capturer_get_one() -> None:
         for _ in range(3):
             g((torch.randn(2, 4),), {}, calls)
     assert isinstance(cap.arena, arena.BufferArena) and g.replays == 1  # type: ignore[attr-defined]
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+def _cuda_stream(model: nn.Module, frames: list[torch.Tensor]) -> list[torch.Tensor]:
+    model.reset_stream()  # type: ignore[operator]
+    return [model(f).clone() for f in frames]
+
+
+def _region_plan() -> object:
+    from surgery.planning.plan import compile_defaults, plan_model
+
+    return plan_model("surgery.examples:tiny", compile=compile_defaults(capture="region")).manifest
+
+
+@pytest.mark.cuda
+def test_cuda_the_report_matches_the_buffers_and_reads_the_pool() -> None:
+    """On a GPU: the report's bytes are the graphs' buffers, the pool's size comes from the
+    allocator, frame blocks share output sets (no ring), attn_pre keeps its KV-cache ring."""
+    torch.manual_seed(0)
+    model = examples.tiny().cuda().eval()
+    frames = [model.example_input(seed=i) for i in range(8)]
+    with torch.no_grad():
+        ref = _cuda_stream(model, frames)
+        with apply_manifest(model, _region_plan(), warmup=lambda m: _cuda_stream(m, frames[:2])
+                            ) as handle:
+            outs = _cuda_stream(model, frames)
+            mem = handle.report.memory
+            graphs = [g for s in handle._slots for g in [s.graphs] if g is not None]
+            assert (mem.outputs, mem.static_inputs) == held_by(graphs)
+            assert mem.pool_reserved is not None and mem.pool_reserved > 0, mem.line()
+            frame = mem.by_path("aggregator.frame_blocks.1")
+            assert frame.output_sets == 1 and frame.shared >= 1, mem  # no ring, no set of its own
+            pre = handle.report.by_path("aggregator.global_blocks.0.attn_pre")
+            assert pre.output_sets == model.config.window + 1
+    for out, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_the_cap_demotes_paths_and_the_graphs_stay_under_it() -> None:
+    torch.manual_seed(0)
+    model = examples.tiny().cuda().eval()
+    frames = [model.example_input(seed=i) for i in range(6)]
+    with torch.no_grad():
+        ref = _cuda_stream(model, frames)
+        with apply_manifest(model, _region_plan(),
+                            warmup=lambda m: _cuda_stream(m, frames[:2])) as free:
+            uncapped = free.report.memory
+        # Room for the pool (its segments come 2 MiB at a time) and half the buffers.
+        limit = uncapped.pool + (uncapped.outputs + uncapped.static_inputs) // 2
+        torch.cuda.synchronize()
+        with apply_manifest(model, _region_plan(), warmup=lambda m: _cuda_stream(m, frames[:2]),
+                            max_graph_memory=limit) as handle:
+            outs = _cuda_stream(model, frames)
+            mem = handle.report.memory
+            assert mem.over_cap, (uncapped.line(), mem.line())
+            assert mem.total <= limit, (uncapped.line(), mem.line())
+            assert all(r.status == "compiled" for r in handle.report), handle.report.summary()
+    for out, want in zip(outs, ref, strict=True):
+        torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_held_outputs_are_never_overwritten_with_shared_sets() -> None:
+    """The random keep-and-release test above, with real CUDA graphs."""
+    from surgery.runtime.graphs.capture import CudaCapturer
+
+    rng = random.Random(1)
+    cap = CudaCapturer(torch.cuda.current_device())
+    with torch.device("cuda"):
+        mods, graphs, calls, _ = chain(6, cap)  # type: ignore[arg-type]
+    kept: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for step in range(25):
+            x = torch.randn(2, WIDTH, device="cuda")
+            want = x
+            for g, c, m in zip(graphs, calls, mods, strict=True):
+                want = m(want)
+                x = g((x,), {}, c)
+                torch.testing.assert_close(x, want)
+                if rng.random() < 0.25:
+                    kept.append((step + rng.randint(0, 3), x, x.clone()))
+            for _, out, value in kept:
+                torch.testing.assert_close(out, value)
+            kept = [k for k in kept if k[0] > step]
+    assert sum(g.replays for g in graphs) > 50 and not any(g.disabled for g in graphs)

@@ -25,12 +25,11 @@ Also here, as it concerns the allocator under CUDA graphs: the note apply_manife
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
-
-import os
-import warnings
 
 import torch
 
@@ -76,7 +75,8 @@ def region_graphs(graphs: Any) -> list[RegionGraphs]:
     if isinstance(graphs, RegionGraphs):
         return [graphs]
     pieces = getattr(graphs, "graphs", {})
-    return [p[0] for p in pieces.values() if isinstance(p, tuple) and isinstance(p[0], RegionGraphs)]
+    return [p[0] for p in pieces.values()
+            if isinstance(p, tuple) and isinstance(p[0], RegionGraphs)]
 
 
 def collect_memory(slots: Sequence[Any]) -> GraphMemory:

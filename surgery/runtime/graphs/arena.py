@@ -24,14 +24,16 @@ Accounting. ``used()`` is what the live buffers hold (each storage once) plus th
 pool's growth (``pool_bytes``, filled in by the capturer: on CUDA, the reserved memory each
 capture added). ``limit`` (``apply_manifest(max_graph_memory=...)``) is checked before each new
 buffer or capture: past it the path runs compiled without a graph (replay.py notes why). The
-pool's growth of a capture is known only after it, so the cap holds to within one capture's
-temporaries.
+pool's growth of a capture is known only after it (and comes in the allocator's segments, 2 MiB
+and up), so the cap holds to within the last admitted capture's pool growth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +50,8 @@ class MemoryPolicy:
     share_outputs: bool = True
 
 
-# Read when an arena is made (one per capturer, so per device).
+# What every arena made without a policy of its own follows (read at each use, so a benchmark
+# may switch it between applies).
 POLICY = MemoryPolicy()
 
 # A static input buffer: shape, strides, dtype, device, inference mode, k-th of it in one call.
@@ -69,11 +72,11 @@ class BufferArena:
     """The shared static inputs and output sets of every region graph of one capturer."""
 
     def __init__(self, policy: MemoryPolicy | None = None) -> None:
-        p = policy or POLICY
-        self.share_inputs = p.share_inputs
-        self.share_outputs = p.share_outputs
+        self.policy = policy or POLICY
         self.limit: int | None = None  # bytes; None: no cap
         self.pool_bytes = 0  # capture pool growth (the capturer adds to it)
+        # The capture pool's exact size (CudaCapturer.pool_reserved), read when a cap is set.
+        self.pool_reader: Callable[[], int | None] | None = None
         self._ids = itertools.count()
         self._inputs: weakref.WeakValueDictionary[_InputKey, torch.Tensor] = \
             weakref.WeakValueDictionary()
@@ -100,19 +103,19 @@ class BufferArena:
         """Bytes of the new buffers ``static_inputs`` would make for these inputs."""
         keys = self._input_keys(tensors, which)
         return sum(_strided_bytes(tensors[i]) for i, key in zip(which, keys, strict=True)
-                   if not (self.share_inputs and key in self._inputs))
+                   if not (self.policy.share_inputs and key in self._inputs))
 
     def static_inputs(self, tensors: list[torch.Tensor], which: list[int]
                       ) -> dict[int, torch.Tensor]:
         """A buffer for each input in ``which``, laid out like it (shared when allowed)."""
         out = {}
         for i, key in zip(which, self._input_keys(tensors, which), strict=True):
-            buf = self._inputs.get(key) if self.share_inputs else None
+            buf = self._inputs.get(key) if self.policy.share_inputs else None
             if buf is None:
                 t = tensors[i]
                 buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                 self._all_inputs[next(self._ids)] = buf
-                if self.share_inputs:
+                if self.policy.share_inputs:
                     self._inputs[key] = buf
             out[i] = buf
         return out
@@ -132,7 +135,7 @@ class BufferArena:
 
     def set_needed(self, layout: _Layout, avoid: set[int], *, first: bool) -> int:
         """Bytes ``output_set`` would allocate."""
-        if first and self.share_outputs and self._free_set(layout, avoid) is not None:
+        if first and self.policy.share_outputs and self._free_set(layout, avoid) is not None:
             return 0
         return _layout_bytes(layout)
 
@@ -140,11 +143,11 @@ class BufferArena:
         """A path's output set: for its first set (``first``), one of this layout that nobody
         holds and no input of this call (storage addresses ``avoid``) lives in, if any;
         otherwise a new one, shared only if it is a path's first."""
-        if first and self.share_outputs:
+        if first and self.policy.share_outputs:
             found = self._free_set(layout, avoid)
             if found is not None:
                 return found
-        fresh = OutputSet(_alloc_like(layout), shared=first and self.share_outputs)
+        fresh = OutputSet(_alloc_like(layout), shared=first and self.policy.share_outputs)
         self._all_sets[next(self._ids)] = fresh
         if fresh.shared:
             key = (tuple(layout), torch.is_inference_mode_enabled())
@@ -162,7 +165,8 @@ class BufferArena:
         return sum(sets.values()), sum(inputs.values())
 
     def used(self) -> int:
-        return sum(self.held_bytes()) + self.pool_bytes
+        pool = self.pool_reader() if self.pool_reader is not None else None
+        return sum(self.held_bytes()) + (self.pool_bytes if pool is None else pool)
 
     def admits(self, nbytes: int) -> bool:
         """Would ``nbytes`` more stay within the cap?"""
@@ -183,10 +187,8 @@ def arena_of(capturer: Any) -> BufferArena:
     arena = getattr(capturer, "arena", None)
     if arena is None:
         arena = BufferArena()
-        try:
+        with contextlib.suppress(AttributeError):
             capturer.arena = arena
-        except AttributeError:
-            pass
     return arena
 
 

@@ -96,6 +96,7 @@ class CudaCapturer:
         self.last_growth = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         if self.arena is not None:
             self.arena.pool_bytes += self.last_growth
+            self.arena.pool_reader = self.pool_reserved
         return _PooledGraph(graph, self)
 
     def pool_reserved(self) -> int | None:

@@ -1,0 +1,332 @@
+"""Region-graph memory on one GPU: eager, whole-model compile and surgery's peaks side by side,
+speed beside each, what the region graphs hold (``handle.report.memory``), and what each of
+issue 20's changes saved (each can be turned off: surgery.runtime.graphs.arena.POLICY).
+
+Models (one fresh process each; inside it eager first, then surgery's variants one after the
+other on the same model, each applied, streamed and restored):
+
+  sdpa     `surgery.examples:lingbot_sdpa` (dim 1024, 24 patch-embed, 24 frame, 24 global
+           blocks, DPT head, camera trunk), float32 weights under bf16 autocast, one 378x518
+           frame a step: 20 frames to fill the caches, then 24 timed frames
+  gpt2     transformers GPT-2 (small config, random weights) through ``generate()``: a 128-token
+           prompt, 32 new tokens greedily, 4 timed calls; ms per new token, bf16
+  timm_vit, hf_bert   the zoo's small models (benchmarks/gpu_zoo.py), batch 8, bf16
+
+Variants of surgery (the names-only plan, ``apply_manifest`` defaults):
+  before   nothing shared: every path its own static inputs and output sets (before issue 20)
+  outputs  a path's first output set shared with paths whose outputs are released by then
+  all      also the static input buffers shared by layout (the default)
+
+``whole`` (``torch.compile(model)``) runs in a process of its own, with ``--whole-timeout``
+(the SDPA example's whole-model compile did not finish in 530 s on the H200 before; the arm
+says so instead of waiting).
+
+Peaks are ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the timed
+steps, after compile and capture, plus the peak over compile and warm-up; weights included.
+
+    python benchmarks/gpu_memory.py --all --models sdpa              # H200: about 2.5 min
+    python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert   # about 2.5 min
+    python benchmarks/gpu_memory.py --model sdpa --variants all      # one model, this process
+    python benchmarks/gpu_memory.py --all --tiny                     # CPU smoke run (peaks 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from _arms import child_result, fresh_cache_env, latency, print_arm_result  # noqa: E402
+
+MODELS = ("sdpa", "gpt2", "timm_vit", "hf_bert")
+VARIANTS = {"before": (False, False), "outputs": (True, False), "all": (True, True)}
+TINY = os.environ.get("GPU_MEMORY_SIZE") == "tiny"
+WARM, TIMED = (2, 3) if TINY else (20, 24)
+NEW_TOKENS = 4 if TINY else 32
+GENERATES = 2 if TINY else 4  # timed generate() calls (ms per token over each)
+GIB = 2**30
+
+
+def gpt2() -> Any:
+    """The factory ``plan_model("gpu_memory:gpt2")`` plans."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4) if TINY else GPT2Config())
+
+
+def sdpa() -> Any:
+    from surgery.examples import lingbot_sdpa, tiny_sdpa
+
+    return tiny_sdpa() if TINY else lingbot_sdpa()
+
+
+class Workload:
+    """A model, its step, and how to time it: ``run(call)`` -> per-step ms list."""
+
+    def __init__(self, name: str, device: str) -> None:
+        import torch
+
+        self.name, self.device = name, device
+        self.cuda = device == "cuda"
+        if not self.cuda:  # the CPU machine's torchvision is built for CUDA torch (timm needs it)
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from conftest import _let_torchvision_import_on_cpu_torch
+
+            _let_torchvision_import_on_cpu_torch()
+        torch.manual_seed(0)
+        if name == "sdpa":
+            self.model = sdpa().to(device).eval()  # float32 weights, bf16 autocast
+            self.xs = [self.model.example_input(seed=1000 + i) for i in range(8)]
+            self.spec = "gpu_memory:sdpa"
+        elif name == "gpt2":
+            self.model = gpt2().to(device=device, dtype=torch.bfloat16).eval()
+            g = torch.Generator().manual_seed(0)
+            self.prompt = torch.randint(0, 1000, (1, 16 if TINY else 128), generator=g).to(device)
+            self.spec = "gpu_memory:gpt2"
+        else:
+            os.environ.setdefault("ZOO_SIZE", "tiny" if TINY else "")
+            import gpu_zoo
+
+            self.model = getattr(gpu_zoo, name)().to(device=device, dtype=torch.bfloat16).eval()
+            self.step, _ = gpu_zoo.driver(name, self.model, device)
+            self.spec = f"gpu_zoo:{name}"
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def warm(self, call: Any) -> None:
+        """One step as warm-up (what apply_manifest's warmup= runs)."""
+        self.run(call, steps=1, fill=0)
+
+    def run(self, call: Any, *, steps: int = TIMED, fill: int = WARM) -> list[float]:
+        import torch
+
+        times = []
+        if self.name == "gpt2":  # each step is a whole generate() of NEW_TOKENS tokens
+            steps = min(steps, GENERATES)
+        if self.name == "sdpa":
+            self.model.reset_stream()
+            ac = torch.autocast(self.device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                for i in range(fill + steps):
+                    self._sync()
+                    t = time.perf_counter()
+                    with ac:
+                        call(self.xs[i % len(self.xs)])
+                    self._sync()
+                    if i >= fill:
+                        times.append((time.perf_counter() - t) * 1e3)
+            return times
+        with torch.inference_mode():
+            for _ in range(steps):
+                self._sync()
+                t = time.perf_counter()
+                if self.name == "gpt2":
+                    gen = getattr(call, "generate", None) or self.model.generate
+                    gen(self.prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                        do_sample=False, pad_token_id=0)
+                    self._sync()
+                    times.append((time.perf_counter() - t) * 1e3 / NEW_TOKENS)
+                else:
+                    self.step(call)
+                    self._sync()
+                    times.append((time.perf_counter() - t) * 1e3)
+        return times
+
+
+def _peaks(cuda: bool) -> dict[str, float]:
+    import torch
+
+    if not cuda:
+        return {"peak_gib": 0.0, "reserved_gib": 0.0}
+    return {"peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+            "reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3)}
+
+
+def _reset_peaks(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _speed(times: list[float]) -> dict[str, float]:
+    return latency(times)
+
+
+def run_model(name: str, variants: list[str]) -> dict[str, Any]:
+    """Eager, then each surgery variant, in this process, on the same model."""
+    import torch
+
+    from surgery import apply_manifest
+    from surgery.planning.plan import plan_model
+    from surgery.runtime.graphs import arena
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = dev == "cuda"
+    w = Workload(name, dev)
+    out: dict[str, Any] = {"model": name, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+                           "torch": torch.__version__}
+    out["weights_gib"] = round(torch.cuda.memory_allocated() / GIB, 3) if cuda else 0.0
+    w.run(w.model, steps=1, fill=0)  # lazy inits (cuBLAS, autocast caches) out of every peak
+    _reset_peaks(cuda)
+    eager = {"arm": "eager", **_speed(w.run(w.model)), **_peaks(cuda)}
+    out["arms"] = [eager]
+    t = time.perf_counter()
+    manifest = plan_model(w.spec).manifest
+    out["plan_s"] = round(time.perf_counter() - t, 2)
+    out["paths"] = sum(len(r.paths) for r in manifest.regions)
+    overrides = None if cuda else {"on_cpu": "compile", "backend": "aot_eager"}
+    for v in variants:
+        arena.POLICY.share_outputs, arena.POLICY.share_inputs = VARIANTS[v]
+        _reset_peaks(cuda)
+        t = time.perf_counter()
+        handle = apply_manifest(w.model, manifest, warmup=w.warm, passes=3, overrides=overrides)
+        cold = time.perf_counter() - t
+        compile_peak = _peaks(cuda)["peak_gib"]
+        w.run(w.model, steps=2)  # the steady state: rings grown, every signature captured
+        _reset_peaks(cuda)
+        times = w.run(w.model)
+        mem = handle.report.memory
+        counts = handle.report.counts()
+        res = {"arm": f"surgery:{v}", **_speed(times), **_peaks(cuda),
+               "compile_peak_gib": compile_peak, "cold_s": round(cold, 1),
+               "regions": f"{counts['compiled']}/{len(handle.report)}",
+               "graphs_gib": round(mem.total / GIB, 4), "outputs_gib": round(mem.outputs / GIB, 4),
+               "static_inputs_gib": round(mem.static_inputs / GIB, 4),
+               "pool_gib": round(mem.pool / GIB, 4), "memory_line": mem.line(),
+               "output_sets": sum(p.output_sets for p in mem.paths),
+               "largest_paths": [[p.path, round((p.outputs + p.static_inputs) / 2**20, 1)]
+                                 for p in sorted(mem.paths, key=lambda p: -(p.outputs +
+                                                                           p.static_inputs))[:3]]}
+        handle.restore()
+        del handle, mem
+        out["arms"].append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+    return out
+
+
+def run_whole(name: str) -> dict[str, Any]:
+    """torch.compile of the whole model (for GPT-2: of its forward, which generate() calls)."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = dev == "cuda"
+    w = Workload(name, dev)
+    _reset_peaks(cuda)
+    t = time.perf_counter()
+    if name == "gpt2":
+        w.model.forward = torch.compile(w.model.forward)
+        call: Any = w.model
+    else:
+        call = torch.compile(w.model)
+    for _ in range(2):
+        w.warm(call)
+    cold = time.perf_counter() - t
+    w.run(call, steps=1)
+    _reset_peaks(cuda)
+    return {"model": name, "arm": "whole", **_speed(w.run(call)), **_peaks(cuda),
+            "cold_s": round(cold, 1)}
+
+
+def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout: int
+            ) -> list[dict[str, Any]]:
+    results = []
+    for name in models:
+        env = fresh_cache_env(f"gpu_memory_{name}")
+        res = child_result([__file__, "--model", name, "--variants", ",".join(variants)],
+                           env=env, timeout=timeout, ident={"model": name})
+        arms = res.pop("arms", [])
+        if whole_timeout > 0:
+            whole = child_result([__file__, "--model", name, "--whole"],
+                                 env=fresh_cache_env(f"gpu_memory_whole_{name}"),
+                                 timeout=whole_timeout, ident={"model": name, "arm": "whole"})
+            arms.insert(1, whole)
+        res["arms"] = arms
+        results.append(res)
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| model | arm | ms (median) | p90 | vs eager | peak GiB (steady) | vs eager peak | "
+            "reserved GiB | region graphs hold (GiB): outputs / static inputs / pool | cold s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['model']} | failed: {r['error'][:160]} |||||||||")
+            continue
+        eager = next((a for a in r["arms"] if a.get("arm") == "eager"), {})
+        for a in r["arms"]:
+            if "error" in a:
+                rows.append(f"| {r['model']} | {a.get('arm')} | failed: {a['error'][:120]} "
+                            "||||||||")
+                continue
+            speed = (f"{eager['median_ms'] / a['median_ms']:.2f}x" if eager.get("median_ms")
+                     else "")
+            peak = (f"{(a['peak_gib'] - eager['peak_gib']) / 2**-10:+.0f} MiB"
+                    f" ({a['peak_gib'] / eager['peak_gib'] - 1:+.1%})"
+                    if eager.get("peak_gib") else "")
+            held = (f"{a['graphs_gib']:.3f}: {a['outputs_gib']:.3f} / "
+                    f"{a['static_inputs_gib']:.3f} / {a['pool_gib']:.3f}"
+                    if "graphs_gib" in a else "")
+            rows.append(f"| {r['model']} | {a['arm']} | {a['median_ms']:.2f} | {a['p90_ms']:.2f} "
+                        f"| {speed} | {a['peak_gib']:.3f} | {peak} | {a['reserved_gib']:.3f} | "
+                        f"{held} | {a.get('cold_s', '')} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="every model, each in a fresh process")
+    ap.add_argument("--model", choices=MODELS)
+    ap.add_argument("--models", help="comma-separated subset for --all")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"surgery variants, comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--whole", action="store_true", help="with --model: the whole-model arm")
+    ap.add_argument("--whole-timeout", type=int, default=45,
+                    help="seconds for each whole-model arm (0: skip it)")
+    ap.add_argument("--timeout", type=int, default=200, help="per model, seconds")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.tiny and not TINY:  # the size is read at import: re-run with it set
+        os.environ["GPU_MEMORY_SIZE"] = "tiny"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    variants = [v for v in args.variants.split(",") if v]
+    bad = sorted(set(variants) - set(VARIANTS))
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if args.model and not args.all:
+        ident = {"model": args.model}
+        if args.whole:
+            print_arm_result(lambda: run_whole(args.model), {**ident, "arm": "whole"})
+        else:
+            print_arm_result(lambda: run_model(args.model, variants), ident)
+        return
+    if not args.all:
+        ap.error("give --all, or --model")
+    models = args.models.split(",") if args.models else list(MODELS)
+    results = run_all(models, variants, args.timeout, args.whole_timeout)
+    print(table(results))
+    for r in results:
+        for a in r.get("arms", []):
+            if "memory_line" in a:
+                print(f"{r['model']} {a['arm']}: {a['memory_line']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
