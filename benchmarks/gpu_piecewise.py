@@ -1,0 +1,290 @@
+"""Piecewise streaming blocks (issue 19): the SDPA example at LingBot size and GPT-2 decoding.
+
+Arms (each in a fresh process with a fresh inductor cache, all in one call):
+  sdpa_eager      surgery.examples:lingbot_sdpa as it is (bf16 autocast, one frame a step)
+  sdpa_names      `surgery plan --model` (names only), apply_manifest defaults
+  sdpa_piecewise  `surgery plan --model --piecewise`: the 24 global blocks as piecewise regions
+  gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
+  gpt2_piecewise  `plan --model ... --piecewise`: its 12 blocks piecewise, through generate()
+
+Figures: ms a frame (median, p90; CUDA events) or ms per generate() call and per token, cold
+start, peak GPU memory above the weights, the eager step's coverage by the plan (a watched run:
+the share of the eager step inside the plan's regions; a piecewise block counts whole, its
+attention included), pieces captured / replays / ops between pieces / recompiles summed over the
+piecewise paths, and the largest relative output difference from eager over 24 frames (SDPA) or
+whether every token equals eager's (GPT-2).
+
+    python benchmarks/gpu_piecewise.py --all [--out results.json]       # on the H200
+    python benchmarks/gpu_piecewise.py --arm sdpa_piecewise --frames 24  # one arm, this process
+    python benchmarks/gpu_piecewise.py --all --tiny                      # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from _arms import (  # noqa: E402
+    against_reference,
+    child_result,
+    fresh_cache_env,
+    latency,
+    paths_per_kind,
+    print_arm_result,
+    time_call,
+)
+
+ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "gpt2_eager", "gpt2_piecewise")
+WARM = 20  # frames before timing: the camera trunk's window is 16
+NEW_TOKENS = 64
+
+
+def tiny() -> bool:
+    return os.environ.get("GPU_PIECEWISE_SIZE") == "tiny"
+
+
+def gpt2() -> Any:
+    """A --model factory: GPT-2 small's shape (tiny with --tiny), random weights, no EOS."""
+    import torch
+
+    if not torch.cuda.is_available():  # the CPU smoke run: torchvision beside the CPU torch
+        from tests.conftest import _let_torchvision_import_on_cpu_torch
+
+        _let_torchvision_import_on_cpu_torch()
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=128) if tiny() \
+        else {}
+    cfg = transformers.GPT2Config(**kw, bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _overrides(cuda: bool) -> dict[str, Any] | None:
+    # Without CUDA there are no graphs to capture: compile the pieces on the CPU (aot_eager,
+    # quick to build) so the smoke run goes through the same code.
+    return None if cuda else {"on_cpu": "compile", "backend": "aot_eager"}
+
+
+def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:
+    recs = [r for r in handle.report if r.kind == "piecewise"]
+    out.update(piecewise_paths=len(recs),
+               piecewise_compiled=sum(r.status == "compiled" for r in recs),
+               pieces=sum(r.pieces for r in recs),
+               pieces_captured=sum(r.graphs_captured for r in recs),
+               piece_replays=sum(r.cuda_graph_replays for r in recs),
+               ops_between_per_call=max((r.ops_between for r in recs), default=0),
+               split_ops=sorted({o for r in recs for o in r.split_ops}),
+               piecewise_compiles=sum(r.compiles for r in recs),
+               piecewise_recompiles=sum(r.recompiles for r in recs),
+               fell_back=[f"{r.path}: {r.reason[:120]}" for r in handle.report
+                          if r.status != "compiled"][:4])
+
+
+def _coverage(model: Any, step: Any, manifest: Any, out: dict[str, Any]) -> None:
+    """The share of the eager step inside the manifest's regions (a watched eager run)."""
+    from surgery.planning.evidence import coverage
+    from surgery.planning.observed import watch_model
+    from surgery.planning.streaming import region_paths
+
+    w = watch_model(model, step, steps=2, timed_steps=3)
+    cov = coverage(w.obs, region_paths(manifest))
+    out.update(coverage=cov.get("covered_share"), remainder=cov.get("remainder", [])[:4])
+
+
+def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
+    import torch
+
+    from surgery import apply_manifest
+    from surgery.planning.observed import build_live
+    from surgery.planning.plan import compile_defaults, plan_model
+
+    spec = "surgery.examples:tiny_sdpa" if tiny() else "surgery.examples:lingbot_sdpa"
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict[str, Any] = {"arm": arm}
+    torch.manual_seed(0)
+    model = build_live(spec, device=dev)
+    xs = [model.example_input(seed=1000 + i) for i in range(8)]
+    ac = torch.autocast(dev, dtype=torch.bfloat16)
+
+    def step(m: Any) -> Any:
+        with torch.no_grad(), ac:
+            return m(xs[m.frames_seen % len(xs)])
+
+    base = torch.cuda.memory_allocated() if cuda else 0
+    t0 = time.perf_counter()
+    handle = None
+    if arm != "sdpa_eager":
+        manifest = plan_model(spec, compile=compile_defaults(),
+                              piecewise=arm == "sdpa_piecewise").manifest
+        out["plan_s"] = round(time.perf_counter() - t0, 2)
+        out["regions"] = paths_per_kind(manifest)
+        if os.environ.get("GPU_PIECEWISE_COVERAGE", "1") == "1":
+            _coverage(model, step, manifest, out)
+            model.reset_stream()
+            t0 = time.perf_counter()  # cold start: compile and warm-up, not the watched run
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        handle = apply_manifest(model, manifest, warmup=step, overrides=_overrides(cuda))
+    elif cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model.reset_stream()
+    times: list[float] = []
+    outs: list[Any] = []
+    with torch.no_grad():
+        for i in range(WARM + n_frames):
+            if i == WARM:
+                sync()
+                out["cold_s"] = round(time.perf_counter() - t0, 2)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            with ac:
+                y, ms, _ = time_call(lambda i=i: model(xs[i % len(xs)]), cuda=cuda)
+            if i >= WARM:
+                times.append(ms)
+                outs.append({k: v.float().cpu() for k, v in y.items()})
+    out.update(**latency(times), frames=n_frames,
+               steady_peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+               if cuda else 0.0, weights_gib=round(base / 2**30, 3),
+               gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+    if handle is not None:
+        counts = handle.report.counts()
+        out["regions_compiled"] = f"{counts.get('compiled', 0)}/{len(handle.report)}"
+        _piecewise_counts(handle, out)
+    diff = against_reference(outs, ref_path=os.environ.get("GPU_PIECEWISE_SDPA_REF"),
+                             is_reference=arm == "sdpa_eager")
+    if diff is not None:
+        out["max_rel_diff"] = diff
+    return out
+
+
+def run_gpt2(arm: str) -> dict[str, Any]:
+    import torch
+
+    from surgery import apply_manifest
+    from surgery.planning.plan import compile_defaults, plan_model
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    out: dict[str, Any] = {"arm": arm}
+    model = gpt2().to(dev)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)).to(dev)
+
+    def generate(m: Any, n: int = NEW_TOKENS) -> Any:
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    base = torch.cuda.memory_allocated() if cuda else 0
+    t0 = time.perf_counter()
+    handle = None
+    if arm == "gpt2_piecewise":
+        manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
+                              piecewise=True).manifest
+        out["regions"] = paths_per_kind(manifest)
+        _coverage(model, lambda m: generate(m, 8), manifest, out)
+        t0 = time.perf_counter()
+        handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 8), passes=2,
+                                overrides=_overrides(cuda))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tokens, _, _ = time_call(lambda: generate(model), cuda=cuda)  # warm at full length
+    out["cold_s"] = round(time.perf_counter() - t0, 2)
+    times = []
+    for _ in range(3):
+        tokens, ms, _ = time_call(lambda: generate(model), cuda=cuda)
+        times.append(ms)
+    med = statistics.median(times)
+    out.update(**latency(times), ms_per_token=round(med / NEW_TOKENS, 3),
+               new_tokens=int(tokens.shape[1] - ids.shape[1]),
+               steady_peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+               if cuda else 0.0,
+               gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+    ref = os.environ.get("GPU_PIECEWISE_GPT2_REF")
+    if ref and arm == "gpt2_eager":
+        torch.save(tokens.cpu(), ref)
+    elif ref and os.path.exists(ref):
+        out["tokens_identical"] = bool(torch.equal(tokens.cpu(), torch.load(ref)))
+    if handle is not None:
+        _piecewise_counts(handle, out)
+    return out
+
+
+def run_all(arms: list[str], n_frames: int, timeout: int) -> list[dict[str, Any]]:
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    refs = {"GPU_PIECEWISE_SDPA_REF": os.path.join(tmp, f"pw_sdpa_ref_{os.getpid()}.pt"),
+            "GPU_PIECEWISE_GPT2_REF": os.path.join(tmp, f"pw_gpt2_ref_{os.getpid()}.pt")}
+    results = []
+    for i, arm in enumerate(arms):
+        env = fresh_cache_env(f"gpu_piecewise_cache_{i}", **refs)
+        results.append(child_result([__file__, "--arm", arm, "--frames", str(n_frames)],
+                                    env=env, timeout=timeout, ident={"arm": arm}))
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    by = {r["arm"]: r for r in results}
+    rows = ["| arm | ms (median) | p90 | vs eager | vs names | cold (s) | steady peak GiB | "
+            "coverage | pieces / captured / replays / ops between / recompiles | check |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['arm']} | failed: {r['error'][:160]} | | | | | | | | |")
+            continue
+        fam = r["arm"].split("_")[0]
+        eager, names = by.get(f"{fam}_eager", {}), by.get(f"{fam}_names", {})
+        ve = f"{eager['median_ms'] / r['median_ms']:.2f}x" if "median_ms" in eager else ""
+        vn = f"{names['median_ms'] / r['median_ms']:.2f}x" if "median_ms" in names else ""
+        pw = (f"{r['pieces']} / {r['pieces_captured']} / {r['piece_replays']} / "
+              f"{r['ops_between_per_call']} / {r['piecewise_recompiles']}") if "pieces" in r \
+            else ""
+        check = (f"max rel diff {r['max_rel_diff']:.2e}" if "max_rel_diff" in r else
+                 f"tokens identical: {r['tokens_identical']}" if "tokens_identical" in r else
+                 "(reference)")
+        cov = f"{r['coverage']:.1%}" if r.get("coverage") is not None else ""
+        rows.append(f"| {r['arm']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {ve} | {vn} | "
+                    f"{r['cold_s']:.1f} | {r['steady_peak_gib']:.2f} | {cov} | {pw} | {check} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--all", action="store_true", help="every arm, each in a fresh process")
+    ap.add_argument("--arms", help="comma-separated subset for --all")
+    ap.add_argument("--frames", type=int, default=24, help="timed frames of the SDPA arms")
+    ap.add_argument("--timeout", type=int, default=240, help="per arm, seconds")
+    ap.add_argument("--tiny", action="store_true", help="test-size models (the CPU smoke run)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.tiny:
+        os.environ["GPU_PIECEWISE_SIZE"] = "tiny"
+    if args.arm:
+        run = (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
+            (lambda: run_sdpa(args.arm, args.frames))
+        print_arm_result(run, {"arm": args.arm})
+        return
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        ap.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    results = run_all(arms, args.frames, args.timeout)
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
