@@ -27,7 +27,10 @@ def golden_texts() -> dict[str, str]:
         save_file(tiny().state_dict(), ckpt)
         from_ckpt = dumps_manifest(plan_checkpoint(ckpt).manifest)
     from_live = dumps_manifest(plan_model("surgery.examples:tiny").manifest)
-    return {"tiny-checkpoint.surgery.toml": from_ckpt, "tiny-live.surgery.toml": from_live}
+    # a piecewise region (issue 19): its [region.piecewise] table is a layout of its own
+    piecewise = dumps_manifest(plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest)
+    return {"tiny-checkpoint.surgery.toml": from_ckpt, "tiny-live.surgery.toml": from_live,
+            "tiny-sdpa-piecewise.surgery.toml": piecewise}
 
 
 def main() -> None:

@@ -108,3 +108,16 @@ def test_cli_piecewise_needs_a_live_model(tmp_path: object) -> None:
     res = CliRunner().invoke(cli, ["plan", "model.safetensors", "--piecewise"])
     assert res.exit_code == 2
     assert "--piecewise needs a live model" in res.output
+
+
+def test_golden_piecewise_manifest_reads_back() -> None:
+    """The [region.piecewise] layout of tests/golden (make golden) keeps reading."""
+    import os
+
+    from surgery.runtime.resolve import resolve_manifest
+
+    path = os.path.join(os.path.dirname(__file__), "golden", "tiny-sdpa-piecewise.surgery.toml")
+    m = resolve_manifest(path)
+    (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+    assert pw.piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                            "dynamic": ["self.attn.kv_cache"]}
