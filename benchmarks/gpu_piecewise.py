@@ -130,7 +130,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
                               piecewise=arm == "sdpa_piecewise").manifest
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["regions"] = paths_per_kind(manifest)
-        if os.environ.get("GPU_PIECEWISE_COVERAGE", "1") == "1":
+        if arm == "sdpa_piecewise":  # the coverage target is the piecewise plan's
             _coverage(model, step, manifest, out)
             model.reset_stream()
             t0 = time.perf_counter()  # cold start: compile and warm-up, not the watched run

@@ -248,13 +248,15 @@ def test_gpt2_generate_tokens_identical_and_decode_compiles_once() -> None:
     import inspect
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+    # 5 layers: each specializes on its layer index, so the shared code holds 10 graphs,
+    # past dynamo's recompile limit of 8 (the path compiles again with room for its budget)
+    cfg = transformers.GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=100,
                                   n_positions=64, bos_token_id=0, eos_token_id=1)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ref = copy.deepcopy(model)
     params = inspect.signature(type(model.transformer.h[0]).forward).parameters
     cache = next(n for n in ("cache", "past_key_values", "layer_past") if n in params)
-    paths = ["transformer.h.0", "transformer.h.1"]
+    paths = [f"transformer.h.{i}" for i in range(5)]
     handle = apply_manifest(model, piecewise_manifest(model, paths, [f"{cache}:2"]))
     ids = torch.randint(2, 100, (1, 5), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
@@ -269,4 +271,4 @@ def test_gpt2_generate_tokens_identical_and_decode_compiles_once() -> None:
     for rec in handle.report:
         assert rec.status == "compiled", rec.reason
         assert rec.pieces == 2 and "scaled_dot_product_attention" in rec.split_ops
-    assert sum(compiles) <= 4  # prefill and decode
+    assert sum(compiles) <= 10  # prefill and decode, per layer

@@ -77,4 +77,6 @@ def test_gpt2_generate_on_cuda_replays_pieces_and_tokens_match() -> None:
     for rec in handle.report:
         assert rec.status == "compiled", rec.reason
         assert rec.cuda_graph_replays >= 20, (rec.graphs_captured, rec.notes)
-        assert rec.recompiles <= 1
+        # prefill, then decode; an older transformers' mask may add one automatic-dynamic
+        # recompile. Not one per token.
+        assert rec.recompiles <= 2
