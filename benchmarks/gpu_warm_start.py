@@ -1,24 +1,36 @@
-"""Warm starts: cold start of the example model in a fresh process without, then with, the bundle.
+"""Warm starts: from apply_manifest to the first replayed frame, cold and from a precompiled bundle.
 
-Model: `surgery.examples.lingbot()` (dim 1024; 24 patch-embed, 24 frame and 24 global blocks),
-bf16 on CUDA, the default manifest of `surgery plan` for the live bf16 model
-(`plan_model("gpu_warm_start:bench_model")`), the KV cache filled eagerly before anything
-compiles, and warm-up passes that leave the stream as it was (as benchmarks/gpu_regions.py does).
+Models (each planned by `surgery plan` of the live model, its default names-only manifest):
 
-Three steps, each process fresh and each with its own new, empty TORCHINDUCTOR_CACHE_DIR, so
-the local inductor cache cannot hide the difference:
-  cold   apply_manifest without a bundle (every compile misses), then handle.save_cache()
-  warm   apply_manifest(cache=BUNDLE): compiles hit the caches the bundle filled
-For each: cold start (apply + warm-up, s), time in dynamo (bytecode tracing, and the backend:
-AOTAutograd + inductor, hits included), time loading the bundle, and the rest (running the
-warm-up passes: eager code, first kernel launches, CUDA graph capture), plus the cache
-hit/miss counts and the whole process's wall time (import torch and building the model too).
+  sdpa     `surgery.examples.lingbot_sdpa()`: the SDPA streaming example at LingBot size
+           (dim 1024, 24 blocks of each kind, 378x518 frames), bf16; the KV caches are filled
+           eagerly before anything compiles, so every measured frame has the steady shapes
+  flux     diffusers `FluxTransformer2DModel` (Flux widths, 4 + 8 layers, 512 px), bf16
+  hf_bert  transformers `BertModel` (base config), batch 8, 128 tokens, bf16
 
-    python benchmarks/gpu_warm_start.py                        # LingBot size, bf16, CUDA
-    python benchmarks/gpu_warm_start.py --size tiny --device cpu --dtype fp32  # CPU check
+Per model, two fresh processes, each with its own new, empty TORCHINDUCTOR_CACHE_DIR and
+TRITON_CACHE_DIR, under `torch.inference_mode()`:
 
-On the CPU the regions are CUDA-graph regions, so they are compiled with inductor's C++
-backend (override on_cpu=compile). Prints a markdown table, then one JSON line.
+  cold   apply_manifest without a bundle, then frames until the first replayed frame; steady
+         frames; the reference output; then `handle.save_cache()` writes the bundle beside the
+         manifest (format 3: Mega-Cache + precompiled artifacts; its time is not a start)
+  warm   apply_manifest(cache=True) with that bundle, then the same measurements
+
+"First replayed frame" is the first frame in which every region path that captured a CUDA graph
+replayed one (on the CPU, where nothing is captured: the first frame that compiled nothing). The
+figure is the wall time from the call of apply_manifest to the end of that frame, synchronised.
+Its breakdown: apply_manifest itself (of which the bundle's checks and Mega-Cache load, and the
+precompiled artifacts' load), dynamo tracing, the backend (AOTAutograd + inductor, cache hits
+included), CUDA graph capture, and the rest of those frames (running them: eager code, first
+kernel launches); per compiled group too. Then steady ms/frame (median, CUDA events), peak
+GPU memory, dynamo's frame count, and whether the warm process's reference output is
+bit-identical to the cold one's (the same kernels).
+
+    python benchmarks/gpu_warm_start.py                       # sdpa, flux, hf_bert on CUDA
+    python benchmarks/gpu_warm_start.py --models sdpa         # one model
+    python benchmarks/gpu_warm_start.py --size tiny --device cpu   # CPU check (minutes)
+
+Prints a markdown table per model, then one JSON line.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,47 +51,95 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 STARTED = time.perf_counter()
-from _arms import child_result  # noqa: E402
+from _arms import child_result, latency, time_call  # noqa: E402
+
+MODELS = ("sdpa", "flux", "hf_bert")
+_MAX_FRAMES = 8  # frames to wait for the first replay before calling it a failure
+_STEADY = 20
 
 
 def bench_model() -> Any:
-    """The planned and deployed model: the example at WARM_START_SIZE, in WARM_START_DTYPE
-    (the dtype is part of the fingerprint, so the plan is of the model that is deployed)."""
+    """The planned and deployed model (`plan --model gpu_warm_start:bench_model`): WARM_MODEL at
+    WARM_START_SIZE, in WARM_START_DTYPE (the dtype is part of the fingerprint)."""
     import torch
 
-    from surgery.examples import lingbot, tiny
-
-    size = os.environ.get("WARM_START_SIZE", "lingbot")
+    name = os.environ.get("WARM_MODEL", "sdpa")
+    tiny = os.environ.get("WARM_START_SIZE", "lingbot") == "tiny"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         os.environ.get("WARM_START_DTYPE", "bf16")]
-    return (tiny() if size == "tiny" else lingbot()).to(dtype)
+    if name == "sdpa":
+        from surgery.examples import lingbot_sdpa, tiny_sdpa
+
+        model = tiny_sdpa() if tiny else lingbot_sdpa()
+    else:
+        os.environ["ZOO_SIZE"] = "tiny" if tiny else ""
+        import gpu_zoo
+
+        model = getattr(gpu_zoo, name)()
+    return model.to(dtype)
 
 
-def _overrides(device: str) -> dict[str, Any]:
-    return {"on_cpu": "compile"} if device == "cpu" else {}
-
-
-def _dynamo_times() -> dict[str, float]:
-    """Seconds torch spent per phase (torch._dynamo.utils.compilation_time_metrics)."""
-    from torch._dynamo.utils import compilation_time_metrics as m
-
-    def total(*keys: str) -> float:
-        return round(sum(sum(m.get(k, [])) for k in keys), 3)
-
-    return {"dynamo_s": total("_compile.compile_inner"),
-            "tracing_s": total("bytecode_tracing"),
-            "backend_s": total("OutputGraph.call_user_compiler"),
-            # C++ builds (inductor's CPU kernels, and its start-up probes): a CPU bundle holds
-            # the generated code but not the built libraries, so a hit still builds them.
-            "cpp_build_s": total("compile_file")}
-
-
-def run_phase(phase: str, manifest: str, bundle: str, device: str) -> dict[str, Any]:
-    """One fresh process: build, fill the KV cache, apply (+ warm-up), time it; save or load."""
+def _frames_for(name: str, model: Any, device: str) -> tuple[Callable[[], Any],
+                                                             Callable[[], Any]]:
+    """(next frame, reference output): the sdpa model streams a new frame each call (same
+    seeds in both processes); the reference output is the last of a fixed run of frames as
+    long as the caches' windows, so both processes end in the same state."""
     import torch
 
-    import surgery.runtime.apply as sa
-    from surgery.runtime.apply import apply_manifest
+    if name == "sdpa":
+        seeds = iter(range(1000, 10**6))
+        span = max(model.config.window, getattr(model.config, "camera_window", 0)) + 1
+
+        def frame() -> Any:
+            return model(model.example_input(seed=next(seeds)))
+
+        def reference() -> Any:
+            out = None
+            for i in range(span):
+                out = model(model.example_input(seed=50_000 + i))
+            return out
+
+        return frame, reference
+    os.environ["ZOO_DTYPE"] = "bfloat16" if next(model.parameters()).dtype == torch.bfloat16 \
+        else "float32"
+    import gpu_zoo
+
+    step, reset = gpu_zoo.driver(name, model, device)
+    reset()
+    return (lambda: step(model)), (lambda: step(model))
+
+
+def _tensors(out: Any) -> list[Any]:
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _tensors(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return [out] if hasattr(out, "shape") else []
+
+
+def _ready(records: list[Any], before: dict[str, tuple[int, int]], cuda: bool) -> bool:
+    """Whether this frame was replayed: every path with a captured graph replayed (CUDA); on
+    the CPU, every compiled path ran compiled code and nothing compiled in the frame."""
+    live = [r for r in records if r.status == "compiled"]
+    if not live:
+        return False
+    if cuda:
+        captured = [r for r in live if r.graphs_captured]
+        return bool(captured) and all(
+            r.cuda_graph_replays > before[r.path][0] for r in captured)
+    return all(r.compiles == before[r.path][1] for r in records)
+
+
+def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
+              ref_path: str) -> dict[str, Any]:
+    """One fresh process: build, fill the stream, apply, frames to the first replay, steady
+    frames, reference output; the cold one then saves the bundle."""
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+    from torch._dynamo.utils import counters
+
+    import surgery.runtime.precompiled as pre
+    from surgery.runtime.apply import apply_manifest, mark_step
 
     import_s = time.perf_counter() - STARTED
     cuda = device == "cuda"
@@ -86,78 +147,116 @@ def run_phase(phase: str, manifest: str, bundle: str, device: str) -> dict[str, 
     torch.manual_seed(0)
     with torch.device(device):
         model = bench_model().eval()
-    x = model.example_input(seed=7)
-    with torch.no_grad():
-        for i in range(model.config.window):  # the stream is warm before anything compiles
-            model(model.example_input(seed=1000 + i))
+    frame, reference = _frames_for(name, model, device)
+    with torch.inference_mode():
+        if name == "sdpa":
+            for _ in range(model.config.window + 1):  # steady cache shapes before compiling
+                frame()
     sync()
-
-    def warm_pass(m: Any) -> None:  # a warm-up step that leaves the stream as it was
-        saved = [list(b.kv_cache) for b in m.aggregator.global_blocks]
-        m(x)
-        for blk, kv in zip(m.aggregator.global_blocks, saved, strict=True):
-            blk.kv_cache[:] = kv
-
     load_s = [0.0]
-    real_load = sa.load_bundle
+    real_open = pre.open_bundle
 
-    def timed_load(*args: Any, **kwargs: Any) -> tuple[bool, str]:
+    def timed_open(*args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
         try:
-            return real_load(*args, **kwargs)
+            return real_open(*args, **kwargs)
         finally:
             load_s[0] += time.perf_counter() - t
 
-    sa.load_bundle = timed_load  # instrumentation only: the time spent loading the bundle
+    pre.open_bundle = timed_open  # instrumentation only: the bundle's checks and Mega-Cache load
+
+    def seconds(*keys: str) -> float:
+        return round(sum(sum(metrics.get(k, [])) for k in keys), 3)
+
+    overrides = {"on_cpu": "compile"} if not cuda else {}
     t0 = time.perf_counter()
-    with torch.no_grad():
-        handle = apply_manifest(model, manifest, warmup=warm_pass, overrides=_overrides(device),
-                                cache=bundle if phase == "warm" else None)
-        sync()
-    cold = time.perf_counter() - t0
-    times = _dynamo_times()
-    rec = handle.report.cache
+    with torch.inference_mode():
+        handle = apply_manifest(model, manifest, overrides=overrides,
+                                cache=True if phase == "warm" else None)
+        apply_s = time.perf_counter() - t0
+        records = handle.report.records
+        frame_s, replayed = [], False
+        for _ in range(_MAX_FRAMES):
+            before = {r.path: (r.cuda_graph_replays, r.compiles) for r in records}
+            t = time.perf_counter()
+            mark_step()
+            frame()
+            sync()
+            frame_s.append(round(time.perf_counter() - t, 3))
+            if _ready(records, before, cuda):
+                replayed = True
+                break
+        first_s = time.perf_counter() - t0
+        tracing, backend = seconds("bytecode_tracing"), seconds("OutputGraph.call_user_compiler")
+        capture = round(sum(r.capture_s for r in records), 3)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        steady = []
+        for _ in range(_STEADY):
+            _, ms, _ = time_call(lambda: (mark_step(), frame()), cuda=cuda)
+            steady.append(ms)
+        mark_step()
+        ref = [t.detach().float().cpu() for t in _tensors(reference())]
+    loaded_s = sum(handle.precompiled.seconds.values()) if handle.precompiled else 0.0
+    cache = handle.report.cache
     out: dict[str, Any] = {
-        "phase": phase, "cold_s": round(cold, 3), **times, "load_s": round(load_s[0], 3),
-        "rest_s": round(cold - times["dynamo_s"] - load_s[0], 3),
-        "loaded": bool(rec and rec.loaded), "cache": rec.counts if rec else {},
-        "regions": handle.report.counts(), "import_s": round(import_s, 3),
+        "model": name, "phase": phase, "first_replay_s": round(first_s, 3),
+        "replayed": replayed, "frames_to_replay": len(frame_s), "frame_s": frame_s,
+        "apply_s": round(apply_s, 3), "bundle_s": round(load_s[0], 3),
+        "precompiled_load_s": round(loaded_s, 3), "tracing_s": tracing, "backend_s": backend,
+        "capture_s": capture,
+        "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
+        "dynamo_frames": int(sum(counters["frames"].values())),
+        "precompiled": cache.precompiled if cache else 0,
+        "loaded": bool(cache and cache.loaded), "cache_reason": cache.reason if cache else "",
+        "groups": pre.group_breakdown(handle.groups, handle.precompiled),
+        **latency(steady), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if cuda else None, "regions": handle.report.counts(), "import_s": round(import_s, 2),
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
-    if phase == "warm" and rec is not None and not rec.loaded:
-        out["ignored"] = rec.reason
+        "torch": torch.__version__}
     if phase == "cold":
+        torch.save(ref, ref_path)
         t = time.perf_counter()
         saved = handle.save_cache(bundle)
-        out["save_s"] = round(time.perf_counter() - t, 3)
-        out["bundle_mb"] = round(saved.bytes / 1e6, 2)
-        out["artifacts"] = saved.metadata["artifacts"]
+        out.update(save_s=round(time.perf_counter() - t, 2),
+                   bundle_mb=round(saved.bytes / 1e6, 2),
+                   bundle_precompiled=len(saved.metadata.get("precompiled", {})
+                                          .get("entries", [])),
+                   not_precompiled=saved.metadata.get("precompiled", {}).get("notes", [])[:5])
+    elif os.path.exists(ref_path):
+        cold = torch.load(ref_path)
+        out["identical_to_cold"] = all(torch.equal(a, b) for a, b in zip(ref, cold, strict=True))
+        out["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in
+                                  zip(ref, cold, strict=True))
     handle.restore()
     return out
 
 
-def run_all(*, size: str, device: str, dtype: str, timeout: int,
-            keep: bool = False) -> list[dict[str, Any]]:
+def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
+              keep: bool) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
-    work = tempfile.mkdtemp(prefix="warm_start_")
-    env = {**os.environ, "WARM_START_SIZE": size, "WARM_START_DTYPE": dtype,
+    work = tempfile.mkdtemp(prefix=f"warm_start_{name}_")
+    env = {**os.environ, "WARM_MODEL": name, "WARM_START_SIZE": size,
+           "WARM_START_DTYPE": dtype,
            "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
     # Bundles are signed (surgery.runtime.signing): one throw-away key for this run's processes.
     if not (env.get("SURGERY_CACHE_KEY") or env.get("SURGERY_CACHE_KEY_FILE")):
         env["SURGERY_CACHE_KEY"] = secrets.token_hex(32)
-    os.environ.update(WARM_START_SIZE=size, WARM_START_DTYPE=dtype)
+    os.environ.update(WARM_MODEL=name, WARM_START_SIZE=size, WARM_START_DTYPE=dtype)
     manifest = os.path.join(work, "model.surgery.toml")
     save_manifest(plan_model("gpu_warm_start:bench_model").manifest, manifest)
     bundle = os.path.join(work, "model.surgery.cache")
+    ref = os.path.join(work, "cold_output.pt")
     results: list[dict[str, Any]] = []
     for phase in ("cold", "warm"):
-        penv = {**env, "TORCHINDUCTOR_CACHE_DIR": os.path.join(work, f"inductor-{phase}")}
-        res = child_result([__file__, "--phase", phase, "--manifest", manifest, "--bundle",
-                            bundle, "--device", device], env=penv, timeout=timeout,
-                           ident={"phase": phase})
+        cache = os.path.join(work, f"inductor-{phase}")
+        penv = {**env, "TORCHINDUCTOR_CACHE_DIR": cache,
+                "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        res = child_result([__file__, "--phase", phase, "--models", name, "--manifest",
+                            manifest, "--bundle", bundle, "--device", device, "--ref", ref],
+                           env=penv, timeout=timeout, ident={"model": name, "phase": phase})
         results.append(res)
         if "error" in res:
             break
@@ -169,58 +268,77 @@ def run_all(*, size: str, device: str, dtype: str, timeout: int,
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| process | bundle | cold start (s) | dynamo (s) | of which tracing (s) "
-            "| backend (s) | bundle load (s) | rest: warm-up runs (s) | FX graph hit/miss "
-            "| AOTAutograd hit/miss | regions compiled | process (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | process | apply -> first replayed frame (s) | frames | apply (s) "
+            "| of which bundle checks + Mega-Cache (s) | precompiled load (s) | dynamo tracing (s) "
+            "| backend (s) | graph capture (s) | rest: running the frames (s) | dynamo frames "
+            "| steady ms/frame | peak GiB | identical to cold | process (s) |",
+            "|" + "---|" * 16]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['phase']} | failed: {r['error'][:160]} |" + " |" * 10)
+            rows.append(f"| {r['model']} | {r['phase']} | failed: {r['error'][:160]} |"
+                        + " |" * 13)
             continue
-        c = r["cache"]
-        bundle = ("loaded" if r["loaded"] else f"ignored: {r.get('ignored', '')[:80]}") \
-            if r["phase"] == "warm" else f"written ({r['bundle_mb']} MB, {r['save_s']} s)"
+        same = "" if r["phase"] == "cold" else \
+            ("yes" if r.get("identical_to_cold") else f"no ({r.get('max_abs_diff', 0):.2e})")
+        flag = "" if r["replayed"] else " (never replayed)"
         rows.append(
-            f"| {r['phase']} | {bundle} | {r['cold_s']:.2f} | {r['dynamo_s']:.2f} "
-            f"| {r['tracing_s']:.2f} | {r['backend_s']:.2f} | {r['load_s']:.2f} "
-            f"| {r['rest_s']:.2f} | {c.get('fx_graph_hits', 0)}/{c.get('fx_graph_misses', 0)} "
-            f"| {c.get('aot_autograd_hits', 0)}/{c.get('aot_autograd_misses', 0)} "
-            f"| {r['regions']['compiled']}/{sum(r['regions'][k] for k in ('compiled', 'pending', 'eager', 'skipped'))} "  # noqa: E501
-            f"| {r['process_s']:.1f} |")
-    ok = [r for r in results if "error" not in r]
-    if len(ok) == 2:
-        cold, warm = ok
+            f"| {r['model']} | {r['phase']} | **{r['first_replay_s']:.2f}**{flag} "
+            f"| {r['frames_to_replay']} | {r['apply_s']:.2f} | {r['bundle_s']:.2f} "
+            f"| {r['precompiled_load_s']:.2f} | {r['tracing_s']:.2f} | {r['backend_s']:.2f} "
+            f"| {r['capture_s']:.2f} | {r['rest_s']:.2f} | {r['dynamo_frames']} "
+            f"| {r['median_ms']:.2f} | {r['peak_gib']} | {same} | {r['process_s']:.1f} |")
+    for r in results:
+        if "error" in r:
+            continue
         rows.append("")
-        rows.append(f"warm / cold start: {warm['cold_s'] / cold['cold_s']:.2f} "
-                    f"({warm['cold_s']:.2f} s / {cold['cold_s']:.2f} s); whole process "
-                    f"{warm['process_s'] / cold['process_s']:.2f}")
+        extra = (f"; bundle {r['bundle_mb']} MB, {r['bundle_precompiled']} precompiled, "
+                 f"saved in {r['save_s']} s" if r["phase"] == "cold" else
+                 f"; bundle: {r['cache_reason'][:200]}")
+        rows.append(f"{r['model']} {r['phase']}: regions {r['regions']}{extra}")
+        for note in r.get("not_precompiled", []):
+            rows.append(f"  not precompiled: {note[:200]}")
+        rows.append("  per group: " + "; ".join(
+            f"{g['group']} x{g['paths']} (sigs {g['signatures']}, compile {g['compile_s']} s, "
+            f"precompiled {g['precompiled']} load {g['load_s']} s, captures {g['captures']} "
+            f"in {g['capture_s']} s)" for g in r["groups"]))
     return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--size", choices=["lingbot", "tiny"],
                     default=os.environ.get("WARM_START_SIZE", "lingbot"))
     ap.add_argument("--device", choices=["cuda", "cpu"],
                     default=os.environ.get("WARM_START_DEVICE", "cuda"))
-    ap.add_argument("--dtype", choices=["bf16", "fp32"],
-                    default=os.environ.get("WARM_START_DTYPE", "bf16"))
-    ap.add_argument("--timeout", type=int, default=240, help="per process, seconds")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                    help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--timeout", type=int, default=200, help="per process, seconds")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the work folder (manifest, bundle, inductor cache dirs)")
+                    help="keep the work folders (manifest, bundle, cache dirs)")
     ap.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
+    ap.add_argument("--ref", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        print(json.dumps(run_phase(args.phase, args.manifest, args.bundle, args.device)))
+        print(json.dumps(run_phase(args.phase, args.models, args.manifest, args.bundle,
+                                   args.device, args.ref)))
         return
-    results = run_all(size=args.size, device=args.device, dtype=args.dtype,
-                      timeout=args.timeout, keep=args.keep)
-    print(f"## warm start: example model ({args.size}, {args.dtype}, {args.device})\n")
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    models = [m for m in args.models.split(",") if m]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        raise SystemExit(f"unknown model(s) {bad}; use {', '.join(MODELS)}")
+    results: list[dict[str, Any]] = []
+    for name in models:
+        results += run_model(name, size=args.size, device=args.device, dtype=dtype,
+                             timeout=args.timeout, keep=args.keep)
+    print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
     print(table(results))
     print()
-    print(json.dumps({"size": args.size, "device": args.device, "dtype": args.dtype,
+    print(json.dumps({"size": args.size, "device": args.device, "dtype": dtype,
                       "results": results}))
 
 

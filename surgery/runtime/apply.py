@@ -79,8 +79,8 @@ class ApplyHandle:
         self.restored = False
         self._overrides: dict[str, Any] = {}  # what a saved cache bundle was compiled with
         self._device = "cpu"
-        self._groups: list[_Group] = []  # what save_cache precompiles
-        self._precompiled: Loaded | None = None  # a loaded bundle's precompiled artifacts
+        self.groups: list[_Group] = []  # compiled callables, shared by paths (save_cache
+        self.precompiled: Loaded | None = None  # precompiles them); a bundle's artifacts
 
     def save_cache(self, path: str | os.PathLike[str] | None = None, *, force: bool = True,
                    key: bytes | None = None, precompile: bool = True) -> SavedBundle:
@@ -103,7 +103,7 @@ class ApplyHandle:
         target = os.fspath(path)
         part = None
         if precompile:
-            section = build_section(self._groups)
+            section = build_section(self.groups)
             part = (section.data, section.record())
         saved = save_bundle(target, manifest=self.manifest, overrides=self._overrides,
                             device=self._device, force=force, key=key, precompiled=part)
@@ -214,7 +214,7 @@ def apply_manifest(
     dev = _device_of(model, model)
     handle._device = str(dev) if dev.type == "cuda" else dev.type
     if cache is not None and cache is not False:
-        report.cache, handle._precompiled = load_for_apply(
+        report.cache, handle.precompiled = load_for_apply(
             cache, manifest=m, overrides=handle._overrides, device=handle._device,
             notes=report.notes)
     state = _HandleState()
@@ -262,15 +262,15 @@ def apply_manifest(
                     _capturer_for(mod) if plan.capture_region else None))
             else:
                 handle._slots.append(_install(mod, name, rec, region, plan, groups, state,
-                                              handle._precompiled))
+                                              handle.precompiled))
             if plan.capture_region:  # the cap is per device: the latest apply sets it
                 arena_of(_capturer_for(mod)).limit = cap
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
-        handle._groups = list(groups.values())
-        if handle._precompiled is not None and report.cache is not None:
-            report_use(handle._precompiled, report.cache, notes=report.notes)
+        handle.groups = list(groups.values())
+        if handle.precompiled is not None and report.cache is not None:
+            report_use(handle.precompiled, report.cache, notes=report.notes)
         warn_eager_on_cpu(report)
         if mha and torch.backends.mha.get_fastpath_enabled():
             # Dynamo does not guard on this flag; the fused fastpath would bypass the graph.

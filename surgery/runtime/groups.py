@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,9 +47,11 @@ class _CountingBackend:
         self.config_patches = config_patches
         self.__name__ = f"surgery_{backend}"  # torch names the compiler after it in its logs
         self.calls_done = 0  # completed compiled calls through this backend's callable
+        self.compile_s = 0.0  # time in the real backend (AOTAutograd + inductor), cache hits too
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         inner: Callable[..., Any] = torch._dynamo.lookup_backend(self.backend)
+        started = time.perf_counter()
         if self.config_patches is not None:
             # The inductor entry point applies these with inductor's config.patch around the
             # compile, which is how mode + options reach it without torch.compile's mode/options
@@ -56,6 +59,7 @@ class _CountingBackend:
             compiled = inner(gm, example_inputs, config_patches=self.config_patches)
         else:
             compiled = inner(gm, example_inputs)
+        self.compile_s += time.perf_counter() - started
         slot = _active_slot()
         if slot is not None:
             slot.record.compiles += 1

@@ -49,6 +49,7 @@ import io
 import json
 import marshal
 import os
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -283,6 +284,7 @@ class Loaded:
     used: set[str] = field(default_factory=set)
     loaded: int = 0
     failed: str = ""  # why an artifact could not be loaded (the first one)
+    seconds: dict[str, float] = field(default_factory=dict)  # per group identity, loading
 
     def take(self, identity: str | None, target: Callable[..., Any]) -> dict[str, Artifact]:
         """The loaded artifacts for a group (signature text -> Artifact); {} when none fit.
@@ -294,16 +296,21 @@ class Loaded:
             return {}
         self.used.add(identity)
         out: dict[str, Artifact] = {}
-        for sig, data in self.entries[identity].items():
-            try:
-                fn = torch.compiler.load_compiled_function(
-                    io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
-            except Exception as e:  # torch's deserialiser, or its compatibility check
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                self.failed = self.failed or (f"{getattr(target, '__qualname__', target)}: "
-                                              f"{type(e).__name__}: {first}")
-                return {}
-            out[sig] = Artifact(fn)
+        started = time.perf_counter()
+        try:
+            for sig, data in self.entries[identity].items():
+                try:
+                    fn = torch.compiler.load_compiled_function(
+                        io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
+                except Exception as e:  # torch's deserialiser, or its compatibility check
+                    first = (str(e).strip().splitlines() or [""])[0][:200]
+                    self.failed = self.failed or (
+                        f"{getattr(target, '__qualname__', target)}: {type(e).__name__}: "
+                        f"{first}")
+                    return {}
+                out[sig] = Artifact(fn)
+        finally:
+            self.seconds[identity] = time.perf_counter() - started
         self.loaded += len(out)
         return out
 
@@ -350,3 +357,22 @@ def report_use(pre: Loaded, record: CacheRecord, *, notes: list[str]) -> None:
         notes.append(f"precompiled code in the bundle partly ignored: {why}")
         warnings.warn(f"surgery: precompiled code in the bundle partly ignored, those groups "
                       f"compile with dynamo: {why}", CacheIgnoredWarning, stacklevel=3)
+
+
+def group_breakdown(groups: Iterable[Any], loaded: Loaded | None) -> list[dict[str, Any]]:
+    """Where a start went, per compiled group (an ApplyHandle's ``groups``): its paths and
+    signatures, backend compile time (AOTAutograd + inductor, cache hits included), artifacts
+    loaded and the time loading them, CUDA graphs captured and the time capturing them."""
+    out = []
+    for g in groups:
+        slots = g.slots
+        ident = g.identity
+        out.append({
+            "group": getattr(g.target, "__qualname__", str(g.target)), "paths": len(slots),
+            "signatures": len(g.sigs), "compiles": sum(s.record.compiles for s in slots),
+            "compile_s": round(g.backend.compile_s, 3), "precompiled": len(g.precompiled),
+            "load_s": round(loaded.seconds.get(ident, 0.0), 3) if loaded and ident else 0.0,
+            "precompiled_runs": sum(s.record.precompiled_runs for s in slots),
+            "captures": sum(s.record.graphs_captured for s in slots),
+            "capture_s": round(sum(s.record.capture_s for s in slots), 3)})
+    return out
