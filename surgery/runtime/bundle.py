@@ -316,7 +316,8 @@ def check_beside(manifest: Manifest) -> BundleCheck | None:
 # part (surgery.runtime.precompiled: torch's AOT-compiled functions, back to back). The metadata
 # says where they split: its ``precompiled`` record (PRECOMPILED_KEY) holds ``format``
 # (PRECOMPILED_FORMAT); ``bytes``, the part's length (the blob's last bytes); ``entries``, per
-# artifact ENTRY_FIELDS (group identity text, signature text, offset, length); and ``notes``, what
+# artifact ENTRY_FIELDS (group identity text, signature text, the grad / inference / autocast
+# modes it was traced and must be loaded under, offset, length); and ``notes``, what
 # was left to the Mega-Cache part and why. Both parts are under the one HMAC and ``format`` is in
 # the signed metadata, so a format-3 file cannot be passed off as format 2 or cut into one. The
 # record is the key holder's, yet every field is checked (types, bounds, order): a builder's bug
@@ -324,7 +325,10 @@ def check_beside(manifest: Manifest) -> BundleCheck | None:
 
 PRECOMPILED_KEY = "precompiled"
 PRECOMPILED_FORMAT = 1
-ENTRY_FIELDS = ("group", "signature", "offset", "bytes")
+ENTRY_FIELDS = ("group", "signature", "modes", "offset", "bytes")
+# An entry's modes: {"grad": bool, "inference": bool, "autocast": [[device, dtype], ...]}.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+AUTOCAST_DTYPES = ("bfloat16", "float16", "float32")
 # Bounds on what a record may claim (a LingBot-Map size plan has 17 groups, one signature each).
 MAX_ENTRIES = 4096
 _MAX_TEXT = 8192
@@ -347,8 +351,9 @@ def split_blob(meta: Mapping[str, Any], blob: bytes) -> tuple[bytes, bytes]:
     return blob[:len(blob) - n], blob[len(blob) - n:]
 
 
-def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> dict[str, dict[str, bytes]]:
-    """{group identity: {signature text: artifact bytes}} of a verified bundle ({} for
+def parse_precompiled(meta: Mapping[str, Any], section: bytes
+                      ) -> dict[str, dict[str, tuple[bytes, dict[str, Any]]]]:
+    """{group identity: {signature text: (artifact bytes, modes)}} of a verified bundle ({} for
     format 2). Raises PrecompiledError naming the first problem."""
     if meta.get("format") != FORMAT_PRECOMPILED:
         return {}
@@ -363,12 +368,15 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> dict[str, dict
     if record.get("bytes") != len(section):
         raise PrecompiledError(f"the precompiled part is {len(section)} bytes, its record "
                                f"says {str(record.get('bytes'))[:20]}")
-    out: dict[str, dict[str, bytes]] = {}
+    out: dict[str, dict[str, tuple[bytes, dict[str, Any]]]] = {}
     end = 0
     for e in entries:
         if not isinstance(e, dict) or not all(k in e for k in ENTRY_FIELDS):
             raise PrecompiledError(f"a precompiled entry lacks one of {', '.join(ENTRY_FIELDS)}")
-        group, sig, off, n = (e[k] for k in ENTRY_FIELDS)
+        group, sig, modes, off, n = (e[k] for k in ENTRY_FIELDS)
+        if not _modes_ok(modes):
+            raise PrecompiledError("a precompiled entry's modes are not the grad, inference "
+                                   "and autocast record surgery writes")
         if not (isinstance(group, str) and isinstance(sig, str) and len(group) <= _MAX_TEXT
                 and len(sig) <= _MAX_TEXT):
             raise PrecompiledError("a precompiled entry's group or signature is not short text")
@@ -379,10 +387,20 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> dict[str, dict
         end = off + n
         if sig in out.setdefault(group, {}):
             raise PrecompiledError("two precompiled entries for one group and signature")
-        out[group][sig] = section[off:off + n]
+        out[group][sig] = (section[off:off + n], modes)
     if end != len(section):
         raise PrecompiledError("the precompiled part has bytes no entry covers")
     return out
+
+
+def _modes_ok(modes: Any) -> bool:
+    if not isinstance(modes, dict) or set(modes) != {"grad", "inference", "autocast"}:
+        return False
+    cast = modes["autocast"]
+    return type(modes["grad"]) is bool and type(modes["inference"]) is bool and \
+        isinstance(cast, list) and len(cast) <= len(AUTOCAST_DEVICES) and all(
+            isinstance(c, list) and len(c) == 2 and c[0] in AUTOCAST_DEVICES
+            and c[1] in AUTOCAST_DTYPES for c in cast)
 
 
 def count_entries(meta: Mapping[str, Any]) -> int:

@@ -95,12 +95,13 @@ def _api_missing() -> str | None:
 @dataclass
 class OpenedBundle:
     """What `open_bundle` made of a bundle: whether its Mega-Cache part went to torch, why (or
-    what it held), and its precompiled artifacts (group identity -> signature text -> bytes),
+    what it held), and its precompiled artifacts (group identity -> signature text -> (bytes,
+    modes)),
     which exist only when the bundle verified with the deployer's key and fits."""
 
     loaded: bool
     reason: str
-    precompiled: dict[str, dict[str, bytes]]
+    precompiled: dict[str, dict[str, tuple[bytes, dict[str, Any]]]]
 
 
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
@@ -144,7 +145,7 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
 
 
 def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-           device: str) -> tuple[tuple[bytes, dict[str, dict[str, bytes]]] | None, str]:
+           device: str) -> tuple[tuple[bytes, dict[str, Any]] | None, str]:
     """((Mega-Cache part, precompiled artifacts), "") when the bundle may be loaded, else
     (None, why)."""
     missing = _api_missing()

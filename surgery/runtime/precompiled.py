@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import marshal
@@ -59,7 +60,6 @@ from typing import Any
 import torch
 
 from surgery.formats.manifest import Manifest
-from surgery.runtime.budget import fresh_function
 from surgery.runtime.bundle import PRECOMPILED_FORMAT, default_bundle_path, one_line
 from surgery.runtime.cache import open_bundle
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
@@ -105,6 +105,7 @@ class _TensorSpec:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    inference: bool  # an inference tensor (dynamo guards on it)
 
 
 _NOT_EXAMPLE = object()
@@ -116,7 +117,7 @@ def _spec(obj: Any, depth: int) -> Any:
                 not isinstance(obj, torch.nn.Parameter)):
             return _NOT_EXAMPLE
         return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
-                           obj.requires_grad)
+                           obj.requires_grad, obj.is_inference())
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if depth < _MAX_DEPTH and isinstance(obj, (tuple, list)) and \
@@ -131,11 +132,13 @@ def _spec(obj: Any, depth: int) -> Any:
 
 def _build(spec: Any, gen: torch.Generator) -> Any:
     if isinstance(spec, _TensorSpec):
-        t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
-        if t.is_floating_point() or t.is_complex():
-            t.normal_(generator=gen if t.device.type == "cpu" else None)
-        else:
-            t.zero_()
+        with torch.inference_mode(spec.inference):  # a normal tensor inside inference mode too
+            t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype,
+                                    device=spec.device)
+            if t.is_floating_point() or t.is_complex():
+                t.normal_(generator=gen if t.device.type == "cpu" else None)
+            else:
+                t.zero_()
         return t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
     if isinstance(spec, (tuple, list)):
         return type(spec)(_build(s, gen) for s in spec)
@@ -166,21 +169,35 @@ class Example:
                          if torch.is_autocast_enabled(d))
         return cls(a, k, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
-    @contextlib.contextmanager
-    def modes(self) -> Iterator[None]:
+    def modes(self) -> contextlib.AbstractContextManager[None]:
         """The grad, inference and autocast modes of the recorded call."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode(self.inference) if self.inference
-                                else torch.set_grad_enabled(self.grad))
-            for dev, dtype in self.autocast:
-                stack.enter_context(torch.autocast(dev, dtype=dtype))
-            yield
+        return modes_of(self.mode_record())
+
+    def mode_record(self) -> dict[str, Any]:
+        """The modes as an index entry stores them (surgery.runtime.bundle.ENTRY_FIELDS)."""
+        return {"grad": self.grad, "inference": self.inference,
+                "autocast": [[d, str(t).removeprefix("torch.")] for d, t in self.autocast]}
 
     def build(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh tensors of the recorded layout (random values: tracing needs no real data).
         Call inside ``modes()``, so that they are inference tensors when the call's were."""
         gen = torch.Generator().manual_seed(0)
         return _build(self.args, gen), _build(self.kwargs, gen)
+
+
+@contextlib.contextmanager
+def modes_of(record: Mapping[str, Any]) -> Iterator[None]:
+    """Enter the modes of an entry (checked by surgery.runtime.bundle: names from fixed lists).
+
+    An artifact is traced under them and must be *loaded* under them too: torch rebuilds its
+    tensor guards, dispatch keys included, from the thread's modes when it loads one.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(True) if record["inference"]
+                            else torch.set_grad_enabled(record["grad"]))
+        for dev, dtype in record["autocast"]:
+            stack.enter_context(torch.autocast(dev, dtype=getattr(torch, dtype)))
+        yield
 
 
 # --- saving ------------------------------------------------------------------------------------
@@ -209,15 +226,19 @@ def _compile_options(group: Any) -> tuple[str, dict[str, Any]]:
 def precompile_one(group: Any, module: Any, example: Example) -> bytes:
     """Trace and compile the group's function for one example, ahead of time; its bytes."""
     backend, extra = _compile_options(group)
+    # The function itself, not the group's fresh copy (surgery.runtime.budget): torch pickles
+    # it by reference, which a copy with the same qualname fails (torch.nn.Linear.forward), and
+    # an AOT compile fills no dynamo cache that the copy would keep apart.
     with torch._dynamo.config.patch(enable_aot_compile=True):
-        compiled = torch.compile(fresh_function(group.target), backend=backend, fullgraph=True,
+        compiled = torch.compile(group.target, backend=backend, fullgraph=True,
                                  dynamic=group.dynamic, **extra)
     with example.modes():
         args, kwargs = example.build()
         full = (module, *args) if group.bound else args
         fn = compiled.aot_compile((full, kwargs))
     saved = type(fn).serialize(fn)
-    return bytes(saved.serialized_data)
+    # torch 2.13 returns an AOTCompileSaveResult; the first releases of the path, the bytes.
+    return bytes(getattr(saved, "serialized_data", saved))
 
 
 def build_section(groups: Iterable[Any]) -> Section:
@@ -254,12 +275,21 @@ def build_section(groups: Iterable[Any]) -> Section:
                              f"({type(e).__name__}: {first})")
                 continue
             entries.append({"group": g.identity, "signature": signature_text(sig),
-                            "offset": len(data), "bytes": len(blob)})
+                            "modes": example.mode_record(), "offset": len(data),
+                            "bytes": len(blob)})
             data += blob
     return Section(bytes(data), entries, notes)
 
 
 # --- loading -----------------------------------------------------------------------------------
+
+def _load_function(data: bytes, target: Callable[..., Any]) -> Any:
+    """torch's loader; given the function's globals where it takes them (torch 2.13 does)."""
+    load = torch.compiler.load_compiled_function
+    if "f_globals" in inspect.signature(load).parameters:
+        return load(io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
+    return load(io.BytesIO(data))
+
 
 class Artifact:
     """One loaded artifact: torch's AOT-compiled callable, called after its guards pass."""
@@ -280,7 +310,7 @@ class Artifact:
 class Loaded:
     """The artifacts of a bundle that verified and fits, handed out to groups as they install."""
 
-    entries: dict[str, dict[str, bytes]]
+    entries: dict[str, dict[str, tuple[bytes, dict[str, Any]]]]
     used: set[str] = field(default_factory=set)
     loaded: int = 0
     failed: str = ""  # why an artifact could not be loaded (the first one)
@@ -298,10 +328,10 @@ class Loaded:
         out: dict[str, Artifact] = {}
         started = time.perf_counter()
         try:
-            for sig, data in self.entries[identity].items():
+            for sig, (data, modes) in self.entries[identity].items():
                 try:
-                    fn = torch.compiler.load_compiled_function(
-                        io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
+                    with modes_of(modes):
+                        fn = _load_function(data, target)
                 except Exception as e:  # torch's deserialiser, or its compatibility check
                     first = (str(e).strip().splitlines() or [""])[0][:200]
                     self.failed = self.failed or (
