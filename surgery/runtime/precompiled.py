@@ -1,44 +1,38 @@
 """Precompiled regions: compiled code that runs without dynamo, carried inside the signed bundle.
 
 Why. A Mega-Cache bundle (surgery.runtime.cache) fills inductor's caches, but the deploying
-process still runs dynamo over every region, and the artifacts are still looked up by key: on a
-LingBot-Map size model that left the warm start at half of the cold one (issue 23). torch 2.10+
-compiles a function ahead of time: ``torch.compile(fn, fullgraph=True).aot_compile((args,
-kwargs))`` traces and compiles once and returns a callable whose guards, dynamo-rewritten
-bytecode and compiled code (AOTAutograd + inductor) serialise to bytes, and
-``torch.compiler.load_compiled_function`` turns the bytes back into that callable without
-tracing anything. This module uses that path; on a torch without it the bundle holds the
-Mega-Cache part only, and says so.
+process still runs dynamo over every region and looks the artifacts up by key: on a LingBot-Map
+size model that left the warm start at half of the cold one (issue 23). torch 2.10+ compiles a
+function ahead of time: ``torch.compile(fn, fullgraph=True).aot_compile((args, kwargs))``
+returns a callable whose guards, dynamo-rewritten bytecode and compiled code serialise to
+bytes, which ``torch.compiler.load_compiled_function`` turns back into it without tracing. On a
+torch without that path the bundle holds the Mega-Cache part only, and says so.
 
 What is precompiled. Per compiled group (one function and one set of compile options,
-surgery.runtime.groups) and per static signature the group compiled, one artifact, made when
-the bundle is saved. The call is made again from an *example* recorded at the first call of
-that signature: each tensor's shape, strides, dtype, device and flags; scalars, strings and None
-by value; tuples, lists and dicts of these; grad, inference and autocast modes. No tensor is
-kept. A signature holding any other object, a dynamic compile, and a backend whose compiled
-code torch cannot serialise (cudagraphs, eager) are left to the Mega-Cache part, with a note.
+surgery.runtime.groups) and per static signature it compiled, one artifact, made when the bundle
+is saved, from an *example* recorded at that signature's first call: each tensor's shape,
+strides, dtype, device and flags; scalars, strings and None by value; tuples, lists and dicts of
+these; the grad, inference and autocast modes (an artifact is traced, and loaded, under them).
+No tensor is kept. Other objects, dynamic compiles and backends torch cannot serialise
+(cudagraphs, eager) are left to the Mega-Cache part, with a note.
 
-How it is matched. An artifact names its group by identity: the function's module and
-qualname, the sha256 of its code object (``marshal``), and the compile options; and its
-signature by text (the repr of surgery.runtime.budget.call_signature). A group whose identity
-differs (the code changed since the bundle was built) uses none of them and compiles with dynamo;
-artifacts no group used are reported stale, in one warning.
+How it is matched. An artifact names its group by identity (the function's module and
+qualname, the sha256 of its code object, the compile options) and its signature by text (repr
+of surgery.runtime.budget.call_signature). A group whose identity differs (the code changed since
+the bundle was built) uses none of them and compiles with dynamo; unused artifacts are reported
+stale, in one warning.
 
-How it runs. The loaded callable is installed in its group. A call whose signature has an
-artifact runs it once torch's own guards pass for that call (``guard_check``); when they do not,
-the call goes to dynamo, as without a bundle. Counting, the signature budget, fallback to eager,
-CUDA-graph capture and restore stay those of surgery.runtime.slots; a region graph may be
-captured from the first call, since nothing compiles in it (surgery.runtime.graphs.replay).
+How it runs. A call whose signature has an artifact runs it once torch's own guards pass
+(``guard_check``); otherwise the call goes to dynamo, as without a bundle. Counting, the
+signature budget, fallback to eager, CUDA-graph capture and restore stay those of
+surgery.runtime.slots; a region graph may be captured on the first call, since nothing compiles
+in it (surgery.runtime.graphs.replay).
 
 Trust. An artifact is code (a pickle of bytecode and kernels). Its bytes exist in memory only
-from a bundle whose HMAC verified with the deployer's key (surgery.runtime.bundle), and reach
-torch only after the bundle fits this manifest and machine (surgery.runtime.cache). The index is
-the key holder's, yet every field is checked (types, bounds, counts) so that a builder's bug
-becomes an ignored bundle, never an exception in a deployment.
-
-Layout (inside the blob of a format-3 bundle): the artifacts back to back, after the Mega-Cache
-part; surgery.runtime.bundle describes the record that indexes them and checks it
-without torch.
+from a bundle whose HMAC verified with the deployer's key, and reach torch only once the bundle
+fits this manifest and machine (surgery.runtime.cache). Its index (surgery.runtime.bundle, read
+without torch) is the key holder's, yet every field is checked, so that a builder's bug becomes
+an ignored bundle, never an exception in a deployment.
 """
 
 from __future__ import annotations
@@ -113,15 +107,13 @@ _NOT_EXAMPLE = object()
 
 def _spec(obj: Any, depth: int) -> Any:
     if isinstance(obj, torch.Tensor):
-        if obj.is_sparse or obj.layout != torch.strided or (type(obj) is not torch.Tensor and \
-                not isinstance(obj, torch.nn.Parameter)):
-            return _NOT_EXAMPLE
+        if obj.layout != torch.strided or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return _NOT_EXAMPLE  # sparse, or a subclass whose type dynamo guards on
         return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
                            obj.requires_grad, obj.is_inference())
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    if depth < _MAX_DEPTH and isinstance(obj, (tuple, list)) and \
-            (type(obj) in (tuple, list)):
+    if depth < _MAX_DEPTH and type(obj) in (tuple, list):
         items = [_spec(o, depth + 1) for o in obj]
         return _NOT_EXAMPLE if any(i is _NOT_EXAMPLE for i in items) else type(obj)(items)
     if depth < _MAX_DEPTH and type(obj) is dict and all(isinstance(k, str) for k in obj):
@@ -248,8 +240,7 @@ def build_section(groups: Iterable[Any]) -> Section:
     signature to (module, Example), recorded by surgery.runtime.slots on its first call).
     """
     notes: list[str] = []
-    missing = api_missing()
-    if missing:
+    if missing := api_missing():
         return Section(b"", [], [missing])
     data = bytearray()
     entries: list[dict[str, Any]] = []
