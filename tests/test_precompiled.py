@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from surgery.cli import cli
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, load_manifest, save_manifest
-from surgery.runtime import bundle, cache, precompiled
+from surgery.runtime import bundle, bundle_parts, cache, precompiled
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
@@ -180,7 +180,7 @@ def test_fresh_process_runs_the_precompiled_bundle_with_no_dynamo_frame(site) ->
          "--json"], cwd=site, env=env, capture_output=True, text=True, timeout=400)
     assert warm.returncode == 0, warm.stderr[-3000:]
     made = json.loads(warm.stdout)
-    assert made["metadata"]["format"] == bundle.FORMAT_PRECOMPILED
+    assert made["metadata"]["format"] == bundle_parts.FORMAT_PRECOMPILED
     entries = made["metadata"]["precompiled"]["entries"]
     assert len(entries) == 1, made["metadata"]["precompiled"]  # two blocks, one group
     assert "Block.forward" in entries[0]["group"]
@@ -204,8 +204,8 @@ def test_fresh_process_runs_the_precompiled_bundle_with_no_dynamo_frame(site) ->
 ])
 def test_precompiled_code_runs_without_dynamo_and_matches_eager(site, step, entries) -> None:
     meta = _save(site, step)
-    assert meta["format"] == bundle.FORMAT_PRECOMPILED
-    assert bundle.count_entries(meta) == entries
+    assert meta["format"] == bundle_parts.FORMAT_PRECOMPILED
+    assert bundle_parts.count_entries(meta) == entries
     ours, report, diff = _deploy(site, step=step)
     assert ours == []
     assert _frames() == 0
@@ -329,7 +329,7 @@ def test_a_malformed_signed_record_is_ignored_not_raised(site, damage) -> None:
     record = {"format": 1, "bytes": 4, "entries": [
         {"group": "g", "signature": "s", "modes": MODES, "offset": 0, "bytes": 4}],
         "notes": [], **damage}
-    meta.update(format=bundle.FORMAT_PRECOMPILED, precompiled=record)
+    meta.update(format=bundle_parts.FORMAT_PRECOMPILED, precompiled=record)
     bundle.write_bundle("net.surgery.cache", EMPTY_BLOB + b"abcd", meta, key=KEY)
     ours, report, diff = _deploy(site)
     assert len(ours) == 1 and "refused" in ours[0], ours
@@ -353,9 +353,9 @@ def test_golden_format_2_bundle_still_reads_and_loads(site, monkeypatch) -> None
 
 def test_format_3_layout_reads_back() -> None:
     meta, blob = bundle.read_bundle(str(GOLDEN / "format3.surgery.cache"), key=KEY)
-    mega, section = bundle.split_blob(meta, blob)
+    mega, section = bundle_parts.split_blob(meta, blob)
     assert mega == EMPTY_BLOB
-    assert bundle.parse_precompiled(meta, section) == {"g": {"s": (b"artifact", MODES)}}
+    assert bundle_parts.parse_precompiled(meta, section) == {"g": {"s": (b"artifact", MODES)}}
 
 
 def test_a_format_3_bundle_cannot_be_cut_to_format_2(site) -> None:

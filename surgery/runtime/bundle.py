@@ -31,6 +31,12 @@ from surgery.formats.manifest import MANIFEST_SUFFIX, Manifest
 from surgery.formats.safe_write import write_text_atomic
 from surgery.runtime.artifacts import ArtifactError, read_artifacts
 from surgery.runtime.bundle_env import ENV_KEYS, environment_without_torch, same_torch
+from surgery.runtime.bundle_parts import (
+    FORMAT_PRECOMPILED,
+    PrecompiledError,
+    parse_precompiled,
+    split_blob,
+)
 from surgery.runtime.signing import (
     ENV_KEY,
     ENV_KEY_FILE,
@@ -50,9 +56,6 @@ UNSIGNED_MAGIC = b"SGCACHE1"  # format 1, before bundles were signed: never load
 
 
 FORMAT_VERSION = 2  # a Mega-Cache blob only; FORMAT_PRECOMPILED (3) adds a precompiled part
-
-
-FORMAT_PRECOMPILED = 3  # the blob is a Mega-Cache part, then a precompiled part (see below)
 
 
 READ_FORMATS = (FORMAT_VERSION, FORMAT_PRECOMPILED)  # every signed layout written so far
@@ -309,102 +312,3 @@ def check_beside(manifest: Manifest) -> BundleCheck | None:
             f"valid for {valid_for}; the GPU was not checked (no nvidia-smi, and verify does "
             "not import torch)" + extra))
     return BundleCheck(path, "fits", one_line(f"valid for {valid_for}" + extra))
-
-
-# --- format 3: the precompiled part -------------------------------------------------------------
-# Format 3 signs the same framing, whose blob is the Mega-Cache part followed by the precompiled
-# part (surgery.runtime.precompiled: torch's AOT-compiled functions, back to back). The metadata
-# says where they split: its ``precompiled`` record (PRECOMPILED_KEY) holds ``format``
-# (PRECOMPILED_FORMAT); ``bytes``, the part's length (the blob's last bytes); ``entries``, per
-# artifact ENTRY_FIELDS (group identity text, signature text, the grad / inference / autocast
-# modes it was traced and must be loaded under, offset, length); and ``notes``, what
-# was left to the Mega-Cache part and why. Both parts are under the one HMAC and ``format`` is in
-# the signed metadata, so a format-3 file cannot be passed off as format 2 or cut into one. The
-# record is the key holder's, yet every field is checked (types, bounds, order): a builder's bug
-# becomes an ignored bundle, never an exception in a deployment.
-
-PRECOMPILED_KEY = "precompiled"
-PRECOMPILED_FORMAT = 1
-ENTRY_FIELDS = ("group", "signature", "modes", "offset", "bytes")
-# An entry's modes: {"grad": bool, "inference": bool, "autocast": [[device, dtype], ...]}.
-AUTOCAST_DEVICES = ("cpu", "cuda")
-AUTOCAST_DTYPES = ("bfloat16", "float16", "float32")
-# Bounds on what a record may claim (a LingBot-Map size plan has 17 groups, one signature each).
-MAX_ENTRIES = 4096
-_MAX_TEXT = 8192
-
-
-class PrecompiledError(ValueError):
-    """The precompiled record of a signed bundle does not have the shape surgery writes."""
-
-
-def split_blob(meta: Mapping[str, Any], blob: bytes) -> tuple[bytes, bytes]:
-    """(Mega-Cache part, precompiled part) of a verified bundle's blob; the second is empty
-    for format 2. Raises PrecompiledError when a format-3 record cannot say where they split."""
-    if meta.get("format") != FORMAT_PRECOMPILED:
-        return blob, b""
-    record = meta.get(PRECOMPILED_KEY)
-    n = record.get("bytes") if isinstance(record, dict) else None
-    if type(n) is not int or not 0 <= n <= len(blob):
-        raise PrecompiledError("the precompiled record does not give the length of its part "
-                               "of the blob")
-    return blob[:len(blob) - n], blob[len(blob) - n:]
-
-
-def parse_precompiled(meta: Mapping[str, Any], section: bytes
-                      ) -> dict[str, dict[str, tuple[bytes, dict[str, Any]]]]:
-    """{group identity: {signature text: (artifact bytes, modes)}} of a verified bundle ({} for
-    format 2). Raises PrecompiledError naming the first problem."""
-    if meta.get("format") != FORMAT_PRECOMPILED:
-        return {}
-    record = meta.get(PRECOMPILED_KEY)
-    if not isinstance(record, dict) or record.get("format") != PRECOMPILED_FORMAT:
-        fmt = record.get("format") if isinstance(record, dict) else None
-        raise PrecompiledError(f"precompiled record format {str(fmt)[:20]!r}, this surgery "
-                               f"reads format {PRECOMPILED_FORMAT}")
-    entries = record.get("entries")
-    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
-        raise PrecompiledError(f"precompiled entries are not a list of at most {MAX_ENTRIES}")
-    if record.get("bytes") != len(section):
-        raise PrecompiledError(f"the precompiled part is {len(section)} bytes, its record "
-                               f"says {str(record.get('bytes'))[:20]}")
-    out: dict[str, dict[str, tuple[bytes, dict[str, Any]]]] = {}
-    end = 0
-    for e in entries:
-        if not isinstance(e, dict) or not all(k in e for k in ENTRY_FIELDS):
-            raise PrecompiledError(f"a precompiled entry lacks one of {', '.join(ENTRY_FIELDS)}")
-        group, sig, modes, off, n = (e[k] for k in ENTRY_FIELDS)
-        if not _modes_ok(modes):
-            raise PrecompiledError("a precompiled entry's modes are not the grad, inference "
-                                   "and autocast record surgery writes")
-        if not (isinstance(group, str) and isinstance(sig, str) and len(group) <= _MAX_TEXT
-                and len(sig) <= _MAX_TEXT):
-            raise PrecompiledError("a precompiled entry's group or signature is not short text")
-        if not (type(off) is int and type(n) is int and off == end and n > 0
-                and off + n <= len(section)):
-            raise PrecompiledError("a precompiled entry's offset or length is outside its "
-                                   "part, or entries overlap")
-        end = off + n
-        if sig in out.setdefault(group, {}):
-            raise PrecompiledError("two precompiled entries for one group and signature")
-        out[group][sig] = (section[off:off + n], modes)
-    if end != len(section):
-        raise PrecompiledError("the precompiled part has bytes no entry covers")
-    return out
-
-
-def _modes_ok(modes: Any) -> bool:
-    if not isinstance(modes, dict) or set(modes) != {"grad", "inference", "autocast"}:
-        return False
-    cast = modes["autocast"]
-    return type(modes["grad"]) is bool and type(modes["inference"]) is bool and \
-        isinstance(cast, list) and len(cast) <= len(AUTOCAST_DEVICES) and all(
-            isinstance(c, list) and len(c) == 2 and c[0] in AUTOCAST_DEVICES
-            and c[1] in AUTOCAST_DTYPES for c in cast)
-
-
-def count_entries(meta: Mapping[str, Any]) -> int:
-    """How many precompiled artifacts a verified bundle's record lists (0 for format 2)."""
-    record = meta.get(PRECOMPILED_KEY)
-    entries = record.get("entries") if isinstance(record, dict) else None
-    return len(entries) if isinstance(entries, list) else 0

@@ -52,20 +52,22 @@ from surgery.errors import (
 )
 from surgery.formats.manifest import Manifest
 from surgery.runtime.bundle import (
-    FORMAT_PRECOMPILED,
     FORMAT_VERSION,
-    PRECOMPILED_KEY,
     _canonical,
-    count_entries,
     manifest_key,
     mismatches,
     one_line,
-    parse_precompiled,
     read_bundle,
-    split_blob,
     write_bundle,
 )
 from surgery.runtime.bundle_env import ENV_KEYS, environment, environment_without_torch
+from surgery.runtime.bundle_parts import (
+    FORMAT_PRECOMPILED,
+    PRECOMPILED_KEY,
+    count_entries,
+    parse_precompiled,
+    split_blob,
+)
 from surgery.runtime.signing import load_key, require_key
 
 __all__ = ["ENV_KEYS", "environment", "environment_without_torch"]  # re-exported

@@ -30,9 +30,9 @@ in it (surgery.runtime.graphs.replay).
 
 Trust. An artifact is code (a pickle of bytecode and kernels). Its bytes exist in memory only
 from a bundle whose HMAC verified with the deployer's key, and reach torch only once the bundle
-fits this manifest and machine (surgery.runtime.cache). Its index (surgery.runtime.bundle, read
-without torch) is the key holder's, yet every field is checked, so that a builder's bug becomes
-an ignored bundle, never an exception in a deployment.
+fits this manifest and machine (surgery.runtime.cache). Its index (read without torch by
+surgery.runtime.bundle_parts) is the key holder's, yet every field is checked, so that a
+builder's bug becomes an ignored bundle, never an exception in a deployment.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from typing import Any
 import torch
 
 from surgery.formats.manifest import Manifest
-from surgery.runtime.bundle import PRECOMPILED_FORMAT, default_bundle_path, one_line
+from surgery.runtime.bundle import default_bundle_path, one_line
+from surgery.runtime.bundle_parts import PRECOMPILED_FORMAT
 from surgery.runtime.cache import open_bundle
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
 
