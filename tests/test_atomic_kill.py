@@ -151,19 +151,25 @@ def test_sigkill_at_random_points_leaves_nothing_or_complete(tmp_path, sharded) 
     assert sum(outcomes.values()) == RUNS, outcomes
 
 
-def test_sigkill_in_the_middle_of_publishing_shards_is_taken_back(tmp_path) -> None:
-    """Killed after 2 of 4 files are published: shards without an index. The next run
-    (without --force) proves they are the dead run's, takes them back and succeeds."""
+def test_sigkill_in_the_middle_of_publishing_shards_is_named_then_replaced(tmp_path) -> None:
+    """Killed after 2 of 4 files are published: shards without an index. The next run without
+    --force names them and leaves them (a forged temp name must never make a run delete a
+    shard, issue 22); a run with --force replaces them and removes every temp."""
     src = make_source(tmp_path, seed=3, n=8, size=16_384)
     out = tmp_path / "out"
     out.mkdir()
     args = [src, "-o", str(out / "model.safetensors"), "--max-shard-size", "140KB"]
     p = export(tmp_path, *args, env={"KILL_AFTER_PUBLISH": "2"})
     assert p.wait(120) == -signal.SIGKILL
-    assert len(published(out)) == 2 and "model.safetensors.index.json" not in published(out)
+    left = published(out)
+    assert len(left) == 2 and "model.safetensors.index.json" not in left
     rerun = export(tmp_path, *args)
-    assert rerun.wait(120) == 0, rerun.stderr.read() if rerun.stderr else ""
-    assert "published it without the rest of its group" in (rerun.stderr.read() or "")
+    assert rerun.wait(120) == 3
+    err = rerun.stderr.read() or ""
+    assert "left alone" in err and "already exists" in err, err
+    assert published(out) == left
+    forced = export(tmp_path, *args, "--force")
+    assert forced.wait(120) == 0, forced.stderr.read() if forced.stderr else ""
     assert ours(out) == []
     assert_complete(out, 3, sharded=True)
 

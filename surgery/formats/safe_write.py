@@ -8,6 +8,7 @@ names a killed run left beside it, and says what it did.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -30,8 +31,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _stale(dest: str, mark: str) -> list[tuple[str, os.stat_result]]:
-    """Names ``.NAME<mark>PID-HEX`` of `dest` whose writer is gone and that predate this run."""
+def _ours(name: str, st: os.stat_result) -> str | None:
+    """Why a stale name of our pattern must be left alone, or None when it may be removed.
+
+    Only a regular file this user created, linked once (an attacker's hard link at such a name
+    points at a file that is not ours to remove), older than this process.
+    """
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != _EUID:
+        return "owned by another user"
+    if stat.S_ISREG(st.st_mode) and st.st_nlink != 1:
+        return f"{st.st_nlink} names link to it, so another name may be someone's file"
+    if st.st_mtime >= _STARTED:
+        return "newer than this run"
+    return None
+
+
+def _stale(dest: str, mark: str, notes: list[str]) -> list[tuple[str, os.stat_result]]:
+    """Names ``.NAME<mark>PID-HEX`` of `dest` (exactly the layout a run gives them) whose writer
+    is gone, each with its lstat; `notes` gets a line for each that must be left alone."""
     folder = os.path.dirname(os.path.abspath(dest))
     prefix = _prefix(dest, mark)
     out: list[tuple[str, os.stat_result]] = []
@@ -50,25 +69,27 @@ def _stale(dest: str, mark: str) -> list[tuple[str, os.stat_result]]:
             st = os.lstat(path)
         except OSError:
             continue
-        # Our own names only: made by this user (an attacker's hard link at such a name must
-        # not make us remove the file it points to), by a process that is gone, before us.
-        if (st.st_uid == _EUID and pid != os.getpid() and not _pid_alive(pid)
-                and st.st_mtime < _STARTED):
-            out.append((path, st))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue  # a writer at work
+        out.append((path, st))
     return out
 
 
 def recover(dests: Sequence[str]) -> list[str]:
     """Clean up after a run killed while writing the group `dests` (last = the index).
 
-    Returns one line per action, for the CLI to show. See the module docstring for how a
-    dead run's published files are proven to be its own, and why only they are taken back.
-    Unlinking never follows a symlink, so a planted one at such a name is removed, not its
-    target.
+    Returns one line per action, for the CLI to show. A temp or backup name is removed only
+    when `_ours` allows it (a regular file of this user, linked once, older than this run);
+    anything else of our pattern is named in a note and left alone. A destination that a dead
+    run replaced under --force (its temp name is a second link of it) gets its backup put back
+    when that backup passes `_ours`. A destination is never deleted: shards a dead run published
+    without its index are named and left (a forged temp name hard-linked to an existing shard
+    would otherwise delete it); the next write with --force replaces them. Unlinking never
+    follows a symlink, so a planted one at such a name is removed, not its target.
     """
     notes: list[str] = []
-    temps = {d: _stale(d, TEMP_MARK) for d in dests}
-    olds = {d: _stale(d, OLD_MARK) for d in dests}
+    temps = {d: _stale(d, TEMP_MARK, notes) for d in dests}
+    olds = {d: _stale(d, OLD_MARK, notes) for d in dests}
     if not any(temps.values()) and not any(olds.values()):
         return notes
 
@@ -77,25 +98,30 @@ def recover(dests: Sequence[str]) -> list[str]:
             ino = _ino(os.lstat(d))
         except OSError:
             return False
-        return any(_ino(st) == ino and not os.path.islink(p) for p, st in temps[d])
+        return any(_ino(st) == ino and stat.S_ISREG(st.st_mode) for _, st in temps[d])
 
     complete = by_dead_run(dests[-1])
     for d in dests:
         if complete or not by_dead_run(d):
             continue
-        backups = [p for p, _ in olds[d]]
-        try:
-            if backups:
-                os.replace(backups[0], d)
-                notes.append(f"{d}: put back the file an interrupted run had replaced")
-            else:
-                os.unlink(d)
-                notes.append(f"{d}: removed, an interrupted run published it without the "
-                             "rest of its group")
-        except OSError:
+        backups = [p for p, st in olds[d] if _ours(p, st) is None]
+        if not backups:
+            notes.append(f"{d}: left alone: an interrupted run may have published it without "
+                         "the rest of its group; remove it, or write again with --force")
             continue
+        with suppress(OSError):
+            os.replace(backups[0], d)
+            notes.append(f"{d}: put back the file an interrupted run had replaced")
     for d in dests:
         for p, _ in [*temps[d], *olds[d]]:
+            try:
+                st = os.lstat(p)  # again: a put-back above changed its links
+            except OSError:
+                continue
+            why = _ours(p, st)
+            if why is not None:
+                notes.append(f"{p}: left alone ({why}); remove it yourself if it is not needed")
+                continue
             with suppress(OSError):
                 os.unlink(p)
                 notes.append(f"{p}: removed, a temporary file an interrupted run left")
@@ -135,4 +161,27 @@ def write_text_atomic(path: str, text: str | bytes, *, force: bool = False) -> l
     except OSError as e:
         raise SurgeryError(f"{path}: cannot write: {e.strerror or e}",
                            hint="check the folder exists, is writable and has room") from None
-    return notes
+    return notes + [n for n in recover([path]) if n not in notes]
+
+
+def refuse_inputs(outputs: Sequence[str], inputs: Sequence[str], *, what: str = "input") -> None:
+    """Refuse, even with --force, any output that is one of the inputs (by path or by inode).
+
+    Every output a command derives (each shard, the index) is compared with every file it
+    reads: a path, a symlink or a hard link to an input is the input. A run never writes a file
+    it reads.
+    """
+    seen: dict[object, str] = {}
+    for p in inputs:
+        seen[os.path.realpath(p)] = p
+        with suppress(OSError):
+            seen[_ino(os.stat(p))] = p
+    for out in outputs:
+        hit = seen.get(os.path.realpath(out))
+        if hit is None:
+            with suppress(OSError):
+                hit = seen.get(_ino(os.stat(out)))
+        if hit is not None:
+            raise SurgeryError(f"output {out!r} is the {what} {hit!r}, which this run reads",
+                               hint="write to another path or folder; an input is never "
+                               "overwritten, not even with --force")

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from surgery.errors import CheckpointError, OutputExistsError, SurgeryError
 from surgery.formats.atomic import AtomicGroup
-from surgery.formats.safe_write import recover, write_all
+from surgery.formats.limits import printable
+from surgery.formats.safe_write import recover, refuse_inputs, write_all
+from surgery.formats.st_header import MAX_HEADER_BYTES
 from surgery.formats.stream import ProgressFn, TensorSource, itemsize, nbytes
 from surgery.formats.tensors import META_ALIASES, TensorInfo
 
@@ -98,13 +100,19 @@ def safetensors_header(tensors: list[Planned], metadata: Mapping[str, str]
         offset += n
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:  # safetensors (and surgery's own reader) would refuse it
+        raise SurgeryError(f"the safetensors header would be {len(raw)} bytes, more than the "
+                           f"{MAX_HEADER_BYTES} the format allows (the embedded manifest and "
+                           "metadata are part of it)",
+                           hint="export without --manifest, or with a smaller manifest")
     return len(raw).to_bytes(8, "little") + raw, order
 
 
 def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str, str],
                       aliases: Mapping[str, str] | None = None,
                       max_shard_size: int | None = None, force: bool = False,
-                      progress: ProgressFn | None = None) -> WriteResult:
+                      progress: ProgressFn | None = None,
+                      inputs: Sequence[str] = ()) -> WriteResult:
     """Write `tensors` to `out` (or to shards plus an HF-style index), all or nothing.
 
     Every file is written to a fresh temp file in the output folder (surgery.formats.atomic); only
@@ -117,11 +125,17 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
     aliases = dict(aliases or {})
     shards = plan_shards(tensors, max_shard_size)
     files, index = shard_paths(out, len(shards))
+    refuse_inputs([*files, *([index] if index else [])], inputs)  # even with force
     recovered = recover([*files, *([index] if index else [])])
     if not force:
         for p in [*files, *([index] if index else [])]:
             if os.path.lexists(p):
-                raise OutputExistsError(p)
+                err = OutputExistsError(p)
+                left = [n for n in recovered if "left alone" in n]
+                if left:  # why it is still there: the note recover made for it
+                    more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+                    err.hint = f"{printable(left[0])}{more}"
+                raise err
     total = sum(nbytes(t.info) for t in tensors)
     done = 0
 
@@ -166,4 +180,8 @@ def write_safetensors(out: str, tensors: list[Planned], *, metadata: Mapping[str
     except OSError as e:
         raise SurgeryError(f"{out}: cannot write the export: {e.strerror or e}",
                            hint="check the folder exists, is writable and has room") from None
+    # A dead run's temp that was a second link of a file this run just replaced is now
+    # linked once, and goes too.
+    result.recovered += [n for n in recover([*files, *([index] if index else [])])
+                         if n not in result.recovered]
     return result

@@ -143,9 +143,11 @@ def export_checkpoint(path: str, *, out: str, key: str | None = None,
         if mk.dropped:
 
             metadata[META_DROPPED] = json.dumps(sorted(mk.dropped))
+        # Every derived output (each shard, the index) against every file read.
+        inputs = [*src.info.files, path, *([manifest] if manifest else [])]
         written = write_safetensors(out, planned, metadata=metadata, aliases=aliases,
                                     max_shard_size=max_shard_size, force=force,
-                                    progress=progress)
+                                    progress=progress, inputs=inputs)
     finally:
         src.close()
     return ExportResult(

@@ -31,7 +31,7 @@ from surgery.runtime.apply import apply_manifest
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle
 from surgery.runtime.resolve import resolve_manifest
-from surgery.runtime.signing import require_key
+from surgery.runtime.signing import ENV_KEY_FILE, require_key
 
 # What `warm --input` says since `--step` exists: the two commands' --input differ.
 OLD_INPUT_NOTE = ("--input here names an example-input factory (the older form, still "
@@ -66,7 +66,10 @@ def _inputs(manifest: str, *, key_file: str | None, factories: list[Callable[...
             ) -> list[str]:
     """Every file warm reads: the manifest (and the shards of a sharded export's index), the
     key file, and the modules of the factories. The bundle may overwrite none of them."""
-    files = [manifest] + ([key_file] if key_file else [])
+    # The key files: the one given and the environment's, even when another key is used
+    # (issue 22: `warm -o $SURGERY_CACHE_KEY_FILE --force` overwrote the signing key).
+    keys = [k for k in (key_file, os.environ.get(ENV_KEY_FILE)) if k]
+    files = [manifest, *keys]
     if manifest.endswith(INDEX_SUFFIX):
         # Read as every index is (bounded, shards kept in its folder); a broken one is reported
         # by reading the manifest, here it only adds names.
