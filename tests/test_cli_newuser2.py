@@ -186,3 +186,57 @@ def test_apply_manifest_on_a_wrapper_says_what_to_pass(tmp_path) -> None:
     with pytest.raises(RegionError, match=r"torch.compile\(model\)") as info:
         surgery.apply_manifest(torch.compile(model), str(man))
     assert "apply_manifest(model._orig_mod" in info.value.hint
+
+
+# --- defect 5: EMA under a prefix ---------------------------------------------------------------
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+class _WithEma(torch.nn.Module):
+    """A training module that keeps its EMA as an attribute: model.*, ema.module.*, ema.n_averaged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _net()
+        self.ema = torch.optim.swa_utils.AveragedModel(self.model)
+
+
+def test_verify_finds_an_averaged_model_under_an_attribute(tmp_path) -> None:
+    path = tmp_path / "train.ckpt"
+    torch.save(_WithEma().state_dict(), path)
+    r = run("verify", path)
+    assert r.exit_code == 1, r.output
+    assert "SG002" in r.output and "AveragedModel under `ema.`" in r.output
+    assert "SG007" in r.output and "ema.n_averaged" in r.output
+    assert f"--prefix ema. -o {tmp_path / 'train.clean.safetensors'}" in r.output
+
+
+def test_export_prefix_ema_leaves_n_averaged_out_and_verifies(tmp_path) -> None:
+    path, out = tmp_path / "train.ckpt", tmp_path / "ema.safetensors"
+    torch.save(_WithEma().state_dict(), path)
+    r = run("export", path, "--prefix", "ema.", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "left out ema.n_averaged: EMA bookkeeping" in r.output
+    r = run("verify", out)
+    assert r.exit_code == 0, r.output  # was SG007: the export kept `n_averaged`
+    import surgery
+
+    sd, _ = surgery.load_exported(str(out))
+    _net().load_state_dict(sd, strict=True)
+
+
+def test_verify_names_a_wrapped_ema_entry_it_did_not_check(tmp_path) -> None:
+    path = tmp_path / "both.pt"
+    m = _net()
+    torch.save({"model": m.state_dict(),
+                "ema": torch.optim.swa_utils.AveragedModel(m).state_dict()}, path)
+    r = run("verify", path)
+    assert r.exit_code == 0, r.output  # the entry it checked, 'model', is clean
+    assert "SG010" in r.output and "entry `ema`" in r.output
+    assert "module." in r.output and "EMA bookkeeping" in r.output
+    assert f"surgery verify {path} --key ema" in r.output
+    r = run("verify", path, "--key", "ema")
+    assert r.exit_code == 1 and "SG002" in r.output and "SG007" in r.output

@@ -62,9 +62,16 @@ def read_checkpoint(path: str, *, key: str | None = None, kind: str | None = Non
         obj = torch_load_safely(path)
         sd, entry, cands, ignored = select_state_dict(obj, path=path, key=key)
         optimizer = optimizer_entries(obj)
+        others = {}
+        for c in cands:
+            if c != entry:
+                cur: Any = obj
+                for part in c.split("/"):
+                    cur = cur[part]
+                others[c] = [str(k) for k in cur]
         return CheckpointInfo(path, kind, _infos_from_state_dict(sd), entry=entry,
                               candidates=cands, files=[path], optimizer=optimizer,
-                              ignored=[i for i in ignored if i not in optimizer])
+                              ignored=[i for i in ignored if i not in optimizer], others=others)
     if kind == "dcp":
         return read_dcp(path, key=key)
     return _read_sharded(path, key=key)

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
-from surgery.formats.keys import canonical_key, collision_error, is_bookkeeping, strip_prefix
+from surgery.formats.keys import (
+    canonical_key,
+    collision_error,
+    is_bookkeeping,
+    strip_prefix,
+)
 from surgery.formats.safe_write import write_text_atomic as write_text_atomic
 from surgery.formats.tensors import TensorInfo
 
@@ -86,6 +91,10 @@ def model_keys(keys: list[str], *, prefix: str | None = None) -> ModelKeys:
         names, outside = strip_prefix(keep, prefix)
         for k in outside:
             dropped[k] = f"outside --prefix {prefix}"
+        # `--prefix ema.` on an AveragedModel under `ema.` leaves its counter as `n_averaged`.
+        for k in [k for k, c in names.items() if is_bookkeeping(c)]:
+            del names[k]
+            dropped[k] = "EMA bookkeeping (AveragedModel n_averaged), not a model weight"
     else:
         names = {k: canonical_key(k) for k in keep}
     # Two keys share a name only where one of them changed: group the changed ones, then add

@@ -167,6 +167,7 @@ CODES: dict[str, str] = {
     "SG007": N_AVERAGED.name,
     "SG008": "collision",
     "SG009": "attribute-prefix",
+    "SG010": "unchecked-entry",
     "SG101": "fingerprint",
     "SG102": "region-path",
     "SG201": "non-finite",
@@ -259,11 +260,24 @@ def check_keys(keys: Iterable[str], *, source: str = "CHECKPOINT", key: str | No
             "(torch.distributed.checkpoint.state_dict.get_model_state_dict), then "
             + fix.split(" -o ")[0] + " -o ...",
             flat[:EXAMPLES]))
+    averaged = averaged_prefixes(keys)
+    for p in averaged:  # an AveragedModel under an attribute (`ema.module.`)
+        inner = [k for k in keys if k.startswith(f"{p}.{MODULE.name}.")]
+        at = f"{p}.{N_AVERAGED.name}"
+        findings.append(Finding(
+            "SG002", ERROR, f"wrapper segment `module.` of an AveragedModel under `{p}.`",
+            MODULE.wrapper, inner, f"{export_command(source, key=key, prefix=p + '.')}  "
+            f"(exports the averaged weights as the model; {at} is left out)",
+            [f"{k} -> {canonical_key(k[len(p) + 1:])} (with --prefix {p}.)"
+             for k in inner[:EXAMPLES]]))
+        by_segment.setdefault(N_AVERAGED.name, []).append(at)
     bookkeeping = by_segment.get(N_AVERAGED.name)
     if bookkeeping:
         findings.append(Finding(
             "SG007", ERROR, "EMA bookkeeping saved with the weights (not part of the model)",
-            N_AVERAGED.wrapper, bookkeeping, f"{fix}  (export leaves it out)",
+            N_AVERAGED.wrapper, bookkeeping,
+            (export_command(source, key=key, prefix=averaged[0] + ".") if averaged and not prefix
+             else fix) + "  (export leaves it out)",
             bookkeeping[:EXAMPLES]))
     collisions = find_collisions(k for k in keys if not is_bookkeeping(k))
     if collisions:
@@ -278,6 +292,21 @@ def check_keys(keys: Iterable[str], *, source: str = "CHECKPOINT", key: str | No
             [" + ".join(ks) + f" -> {c}" for c, ks in list(collisions.items())[:EXAMPLES]],
             {"collisions": collisions}))
     return findings
+
+
+def averaged_prefixes(keys: Iterable[str]) -> list[str]:
+    """Attribute paths an AveragedModel sits under: ``P.n_averaged`` beside ``P.module.*`` keys.
+
+    A training module that keeps ``self.ema = AveragedModel(self.model)`` saves ``model.*``,
+    ``ema.module.*`` and ``ema.n_averaged``; the `module.` there is the wrapper's, not the model's.
+    """
+    keys = keys if isinstance(keys, (list, tuple, set)) else list(keys)
+    suffix = f".{N_AVERAGED.name}"
+    tops = {k[: -len(suffix)] for k in keys if k.endswith(suffix) and k != suffix[1:]}
+    if not tops:
+        return []
+    inside = {p for p in tops for k in keys if k.startswith(f"{p}.{MODULE.name}.")}
+    return sorted(inside)
 
 
 def is_bookkeeping(key: str) -> bool:

@@ -122,6 +122,9 @@ class CheckpointInfo:
     optimizer: dict[str, int] = field(default_factory=dict)  # entry -> optimizer param states
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     files: list[str] = field(default_factory=list)
+    # The keys of the container's other state dicts (e.g. an `ema` entry beside `model`), which
+    # verify does not check but names when their keys carry wrapper segments.
+    others: dict[str, list[str]] = field(default_factory=dict)
 
 
 def checkpoint_kind(path: str, *, kind: str | None = None) -> str:

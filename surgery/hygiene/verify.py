@@ -111,6 +111,7 @@ def verify_checkpoint(path: str, *, key: str | None = None, prefix: str | None =
     elif not mk.names:
         raise CheckpointError(f"{path}: no key is under --prefix {prefix}", path=path,
                               hint="check the prefix against the keys (surgery verify --all)")
+    findings.extend(_other_entries(path, info.others))
     if m is not None:
         findings.extend(_check_manifest(m, mk, fingerprint, info.tensors, checkpoint=path))
         findings.extend(_check_cache_bundle(m))
@@ -144,6 +145,21 @@ def _manifest_name(manifest: str | Manifest | None) -> str | None:
     if manifest is None or isinstance(manifest, str):
         return manifest
     return manifest.source_path
+
+
+def _other_entries(path: str, others: Mapping[str, list[str]]) -> list[Finding]:
+    """SG010: another state dict in the container (an `ema` entry) whose keys need an export."""
+    out = []
+    for entry, keys in others.items():
+        found = [f for f in check_keys(keys, source=path, key=entry) if f.severity == ERROR]
+        if found:
+            what = ", ".join(f"{f.code} {f.title} (x{f.count})" for f in found)
+            out.append(Finding(
+                "SG010", NOTE, f"entry `{entry}` (another state dict in this file) was not "
+                f"checked, and its keys carry: {what}", None, [f"{entry}/{k}" for k in keys],
+                f"surgery verify {path} --key {entry}  (and export it with --key {entry})",
+                [f"{entry}/{k}" for f in found for k in f.keys[:1]][:EXAMPLES]))
+    return out
 
 
 def _replan_fix(checkpoint: str, manifest: str) -> str:
