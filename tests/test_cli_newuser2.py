@@ -196,7 +196,7 @@ def _net() -> torch.nn.Module:
 
 
 class _WithEma(torch.nn.Module):
-    """A training module that keeps its EMA as an attribute: model.*, ema.module.*, ema.n_averaged."""
+    """A training module keeping its EMA as an attribute: model.*, ema.module.*, ema.n_averaged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -240,3 +240,45 @@ def test_verify_names_a_wrapped_ema_entry_it_did_not_check(tmp_path) -> None:
     assert f"surgery verify {path} --key ema" in r.output
     r = run("verify", path, "--key", "ema")
     assert r.exit_code == 1 and "SG002" in r.output and "SG007" in r.output
+
+
+# --- defect 8: a diffusers pipeline folder points to its models ---------------------------------
+
+
+def test_plan_of_a_pipeline_folder_points_to_its_denoiser(tmp_path) -> None:
+    import pytest
+
+    diffusers = pytest.importorskip("diffusers")
+    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                 block_out_channels=(8, 16), norm_num_groups=4,
+                                 down_block_types=("DownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "UpBlock2D"))
+    diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler()).save_pretrained(
+        tmp_path / "pipe")
+    r = run("plan", tmp_path / "pipe", "-o", tmp_path / "x.toml")
+    assert r.exit_code == 3, r.output
+    assert "a pipeline folder (model_index.json)" in r.output
+    assert f"surgery plan {tmp_path / 'pipe' / 'unet'}{os.sep}" in r.output
+    r = run("plan", tmp_path / "pipe" / "unet", "-o", tmp_path / "unet.toml")
+    assert r.exit_code == 0, r.output
+
+
+# --- defect 8: a decoder LM's checkpoint plan says the live plan differs ------------------------
+
+
+def test_a_decoder_checkpoint_plan_says_the_live_plan_differs(tmp_path) -> None:
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    r = run("plan", tmp_path / "gpt2", "-o", tmp_path / "gpt2.toml")
+    assert r.exit_code == 0, r.output
+    assert "looks like a decoder language model" in r.output and "fixed_part" in r.output
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64))
+    bert.save_pretrained(tmp_path / "bert")
+    r = run("plan", tmp_path / "bert", "-o", tmp_path / "bert.toml")
+    assert r.exit_code == 0 and "decoder language model" not in r.output, r.output

@@ -91,6 +91,19 @@ def folder_candidates(folder: str) -> list[str]:
     return sorted(found, key=lambda n: (_standing(n), names.index(n)))
 
 
+# The denoisers first: they are what a pipeline's compile regions are for.
+_PIPELINE_FIRST = ("transformer", "unet", "prior", "decoder")
+
+
+def _pipeline_models(folder: str) -> list[str]:
+    """The subfolders of a pipeline folder that hold weights, denoisers first (else [])."""
+    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+        return []
+    subs = sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n))
+                  and any(_standing(f) is not None for f in os.listdir(os.path.join(folder, n))))
+    return sorted(subs, key=lambda n: (n not in _PIPELINE_FIRST, n))
+
+
 def resolve_checkpoint(path: str, *, format: str | None = None) -> ResolvedSource:
     """The file to read for `path` (a file, or a save_pretrained folder) and its kind."""
     kind = format_kind(format)
@@ -107,6 +120,14 @@ def resolve_checkpoint(path: str, *, format: str | None = None) -> ResolvedSourc
                               "save wrote, which holds .metadata and *.distcp files")
     found = folder_candidates(path)
     if not found:
+        models = _pipeline_models(path)
+        if models:  # a diffusers pipeline: one save_pretrained folder per model inside it
+            shown = ", ".join(os.path.join(path, m, "") for m in models[:6])
+            raise CheckpointError(
+                f"{path}: a pipeline folder (model_index.json), not one model; its models are "
+                f"in {shown}", path=path,
+                hint=f"plan one model of it, e.g. surgery plan {os.path.join(path, models[0], '')}"
+                " (the denoiser: transformer/ or unet/)")
         raise CheckpointError(
             f"{path}: a folder with no checkpoint in it", path=path,
             hint="give the weights file itself; a save_pretrained folder holds model.safetensors, "

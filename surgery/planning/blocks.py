@@ -27,6 +27,10 @@ fixed-shape parts (children that take no cache and are more than one layer) are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from surgery.formats.manifest import Manifest
 from surgery.planning.view import ForwardArg, ModelView
 
 # Containers whose blocks stream over a growing KV cache (LingBot-Map's `global_blocks`). A
@@ -146,3 +150,18 @@ def fixed_parts(view: ModelView, path: str,
             continue
         out.append(child)
     return out
+
+
+# Names of a decoder language model's token embedding or output head (GPT-2, Llama, Mistral...).
+_DECODER_NAMES = ("lm_head.weight", ".wte.weight", ".embed_tokens.weight", "tok_embeddings.weight")
+
+
+def decoder_note(manifest: Manifest, tensors: Mapping[str, Any]) -> list[str]:
+    """A checkpoint of a decoder LM plans whole layers; its live plan does not: say so."""
+    if not any(r.kind == "repeated_block" for r in manifest.regions) or not any(
+            k.endswith(_DECODER_NAMES) or k == _DECODER_NAMES[0] for k in tensors):
+        return []
+    return ["this looks like a decoder language model: a checkpoint shows no forward arguments, "
+            "so its layers are planned whole; the live model's layers take the KV cache, and "
+            "`surgery plan --model` plans their fixed-shape parts (the MLP, as fixed_part) "
+            "instead. Plan the model you deploy with --model (or compile_regions) for that plan"]

@@ -30,6 +30,7 @@ from surgery.formats.manifest import (
 from surgery.formats.source import load_factory
 from surgery.formats.tensors import CheckpointInfo, TensorInfo, normalize_dtype
 from surgery.formats.ties import TIED_FIELD, live_ties
+from surgery.planning.blocks import decoder_note
 from surgery.planning.regions import (
     METHOD_KINDS,
     OUTPUTS_OUTLIVE_STEP,
@@ -251,6 +252,7 @@ def plan_checkpoint(path: str, *, key: str | None = None, prefix: str | None = N
                          fold=fold)
     if fold:
         notes.extend(_fold_note(manifest))
+    notes.extend(decoder_note(manifest, tensors))
     streaming = [lo.path for lo in manifest.left_out if "streaming" in lo.reason]
     if streaming and not any(r.callable == "method" for r in manifest.regions):
         # Only where the checkpoint shows streaming blocks (issue 12: this line used to end
