@@ -260,6 +260,9 @@ def test_paths_of_different_weight_layouts_get_budgets_of_their_own() -> None:
     assert sorted(sorted(g.paths) for g in mlp_groups) == [["head.0", "head.1"],
                                                             ["trunk.0", "trunk.1"]]
     assert all(len(g.sigs) == 3 <= RECOMPILE_BUDGET for g in mlp_groups)
+    # Each layout is within budget on its own: no split by signature was needed (merged into one
+    # group by function alone, the six signatures would have forced one).
+    assert all(g.name is None for g in mlp_groups)
 
 
 # --- dynamic regions --------------------------------------------------------------------------

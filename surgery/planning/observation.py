@@ -80,10 +80,17 @@ class _Timer:
         self.done: list[tuple[str, int, Any, Any]] = []  # path, parent index, start, end
         self.open: list[int] = []
         self.handles: list[Any] = []
+        self.pool: list[Any] = []  # CUDA events made before the timed steps (reserve)
+
+    def reserve(self, n: int) -> None:
+        """Create ``n`` CUDA events up front: creating one inside a hook costs host time on
+        every call, which on a launch-bound step delays the launches being timed."""
+        if self.cuda:
+            self.pool.extend(torch.cuda.Event(enable_timing=True) for _ in range(n))
 
     def _mark(self) -> Any:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self.pool.pop() if self.pool else torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
         return self.clock()

@@ -270,6 +270,7 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
         return obs
     bare = [timed() for _ in range(timed_steps)]  # no hook installed: the figure that counts
     timer = _Timer(model, cuda=cuda, clock=clock, methods=methods)
+    timer.reserve(2 * len(w.calls) // steps * timed_steps + 64)  # two marks a call
     with timer:
         hooked = [timed() for _ in range(timed_steps)]
     # The fastest of each: a shared host preempts steps at random, and a preempted step says
