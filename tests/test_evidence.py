@@ -224,11 +224,12 @@ def test_injected_clock_gives_total_and_self_times() -> None:
                   clock=lambda: next(ticks) / 1e3)
     # Ticks: 2 for the watched phase; a bare step (start, end: 1 ms); a hooked step: start,
     # root pre, 0 pre, 0 post, 1 pre, 1 post, root post, end (7 ms). The hooks cost 6 ms over
-    # 3 calls, 2 ms a call: the root's span (5 ms) loses 2 x 2 ms for the two calls inside it.
+    # 3 calls, 2 ms a call: the root's span (5 ms) loses 2 x 2 ms for the two calls inside it,
+    # and its children (1 ms each, all hook time) share what is left of it.
     assert obs.clock == "injected"
     assert obs.bare_step_ms == pytest.approx(1.0) and obs.hooked_step_ms == pytest.approx(7.0)
     assert obs.hook_ms_per_call == pytest.approx(2.0)
-    assert obs.total_ms == pytest.approx({"": 1.0, "0": 1.0, "1": 1.0})
+    assert obs.total_ms == pytest.approx({"": 1.0, "0": 0.5, "1": 0.5})
     assert obs.step_ms == pytest.approx(1.0)  # the bare step, not the root's hooks
 
 

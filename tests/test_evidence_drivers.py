@@ -4,6 +4,7 @@ plan is a failure; budgets per weight layout; dynamic regions; grad modes as one
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -348,3 +349,119 @@ def test_observe_leaves_no_hook_or_mode_behind() -> None:
     for path, mod in model.named_modules():
         assert not mod._forward_hooks and not mod._forward_pre_hooks, path
     assert not _get_current_function_mode_stack()
+
+
+# --- LayerScale-like modules: one tensor, one op -----------------------------------------------
+
+
+class StreamBlock(nn.Module):
+    """A streaming block (its forward takes the cache) whose fixed parts include LayerScales."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp(8)
+        self.ls1, self.ls2 = Scale(), Scale()
+
+    def forward(self, x: torch.Tensor, kv_cache: list[torch.Tensor]) -> torch.Tensor:
+        kv_cache.append(x)
+        x = x + self.ls1(torch.cat(kv_cache, 0)[-x.shape[0]:])
+        return x + self.ls2(self.mlp(x))
+
+
+class Streamer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(StreamBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, caches: list[list[torch.Tensor]]) -> torch.Tensor:
+        for b, c in zip(self.blocks, caches, strict=True):
+            x = b(x, c)
+        return x
+
+
+def test_both_planners_leave_one_tensor_modules_out_with_the_reason() -> None:
+    from surgery.planning.plan import view_from_module
+    from surgery.planning.regions import find_regions
+
+    model = Streamer().eval()
+    found = find_regions(view_from_module(model)[0])
+    names = {c.path for c in found.regions}
+    assert {"blocks.0.mlp", "blocks.1.mlp"} <= names  # the fixed parts of the streaming blocks
+    left = {p: why for p, _k, why in found.left_out}
+    assert not {"blocks.0.ls1", "blocks.0.ls2"} & names
+    assert left["blocks.0.ls1"] == ("a single Scale owning one tensor (gamma): one op gains "
+                                    "nothing as a region and costs a graph launch")
+    caches: list[list[torch.Tensor]] = [[], []]
+
+    def step(m: nn.Module) -> None:
+        with torch.no_grad():
+            m(X, caches)
+
+    m = plan_from_step(model, step, steps=3, timed_steps=0)
+    evidence_left = {lo.path: lo.reason for lo in m.left_out}
+    assert evidence_left["blocks.0.ls2"] == "not worth a graph: 1 op a call"
+    assert "blocks.0.ls2" not in _paths(m) and "blocks.0.mlp" in _paths(m)
+
+
+# --- evidence never loses to names ---------------------------------------------------------
+
+
+class CountingBlock(Block):
+    """A repeated block by its names (a numbered container of one class) that keeps Python
+    state: the names-only plan proposes it, the run shows it unsafe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return super().forward(x)
+
+
+class Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CountingBlock() for _ in range(3))
+        self.head = Mlp(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_names_region_the_run_shows_unsafe_is_left_out_with_the_evidence() -> None:
+    from surgery.planning.plan import view_from_module
+    from surgery.planning.regions import find_regions
+
+    model = Counted().eval()
+    assert "blocks.0" in {c.path for c in find_regions(view_from_module(model)[0]).regions}
+    m = _plan(_no_grad_call, model)
+    left = {lo.path: (lo.kind, lo.reason) for lo in m.left_out}
+    kind, why = left["blocks.0"]
+    assert kind == "repeated_block"
+    assert why.startswith("found by names, but the run shows it unsafe: changed its attribute "
+                          "`seen`")
+    assert {"blocks.0.lin", "blocks.0.norm"} & set(left)  # descended into: single ops
+    assert "blocks.0" not in _paths(m) and "head" in _paths(m)
+
+
+def test_the_plan_that_covers_more_of_the_step_is_kept() -> None:
+    """best_of, given an evidence choice weaker than the names plan: a names region judged fixed
+    joins it, and where the names regions nest with it and cover more, the names plan wins."""
+    from surgery.planning.compare import best_of
+    from surgery.planning.evidence import Choice
+
+    ticks = itertools.count()  # a clock that ticks once a reading: the same shares every run
+    obs = observe(Net().eval(), _no_grad_call, steps=2, timed_steps=3,
+                  clock=lambda: next(ticks) / 1e3)
+    weak = Choice(["blocks.0.norm"], [], {}, {})
+    joined, info = best_of(obs, weak, ["head"])
+    assert "head" in joined.regions and "blocks.0.norm" in joined.regions
+    assert info["chosen"] == "evidence"
+    names, info = best_of(obs, weak, ["blocks.0", "head"])
+    assert info["chosen"] == "names" and names.regions == ["blocks.0", "head"]
+    left = dict(names.left_out)
+    assert left["blocks.1"] == "left out by the names-only plan"  # still one fate each
+    assert names.coverage["covered_share"] >= joined.coverage["covered_share"]

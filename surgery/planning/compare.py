@@ -118,6 +118,8 @@ def best_of(obs: Observation, choice: Choice,
         groups, _ = plan_groups(obs, joined, by_path, dynamic, why_varies)
         left.update({p: r for p, r in over.items() if p not in joined})
     rival = [p for p in names if p in fixed]
+    _, over_rival = plan_groups(obs, rival, by_path, dynamic, why_varies)
+    rival = [p for p in rival if p not in over_rival]
     cov_joined = coverage(obs, joined)
     cov_rival = coverage(obs, rival)
     pick_names = bool(cov_joined) and cov_rival.get("covered_share", 0.0) > \
@@ -128,6 +130,7 @@ def best_of(obs: Observation, choice: Choice,
         lost = f"the names-only plan covered more of the step " \
                f"({cov_rival['covered_share']:.1%} against {cov_joined['covered_share']:.1%})"
         left.update({p: lost for p in joined if p not in regions})
+        left.update({p: r for p, r in over_rival.items() if p not in regions})
     left.update(unsafe)
     fates = complete_fates(obs, regions, left, default="left out by the names-only plan")
     evidence = {}

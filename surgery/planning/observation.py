@@ -148,16 +148,26 @@ def fold_times(obs: Observation, calls: list[tuple[str, int, float]], *,
     (the hooks' cost per call) for every descendant, but never below ``scale`` (bare step /
     hooked step) times the span. The floor matters where the step's time is noisy: an
     overhead taken from two noisy steps could otherwise zero the span of a large subtree, whose
-    many descendants each take it off. Calls come in the order they began, so a parent's index
-    is below its children's and one backward pass counts the descendants.
+    many descendants each take it off. Then the children of a call are scaled to fit inside
+    it. Calls come in the order they began, so a parent's index is below its children's: one
+    backward pass counts the descendants, and one forward pass fits children to parents.
     """
     below = [0] * len(calls)
     for i in range(len(calls) - 1, -1, -1):
         parent = calls[i][1]
         if parent >= 0:
             below[parent] += below[i] + 1
-    fixed = [(path, parent, max(ms * scale, ms - overhead_ms * below[i]))
-             for i, (path, parent, ms) in enumerate(calls)]
+    span = [max(ms * scale, ms - overhead_ms * below[i]) for i, (_p, _q, ms) in enumerate(calls)]
+    # Children never add up to more than their parent: where the correction left them larger
+    # (a leaf's span is mostly hook time), they share the parent's span in proportion.
+    kids = [0.0] * len(calls)
+    for i, (_path, parent, _ms) in enumerate(calls):
+        if parent >= 0:
+            kids[parent] += span[i]
+    for i, (_path, parent, _ms) in enumerate(calls):  # parents first: they began first
+        if parent >= 0 and kids[parent] > span[parent]:
+            span[i] *= span[parent] / kids[parent]
+    fixed = [(path, parent, span[i]) for i, (path, parent, _ms) in enumerate(calls)]
     child_sum = [0.0] * len(fixed)
     for _path, parent, ms in fixed:
         if parent >= 0:
