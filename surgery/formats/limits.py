@@ -39,8 +39,11 @@ LIMITS: dict[str, Limit] = {lim.name: lim for lim in (
     Limit("TOML_KEY_CHARS", 256, "characters", "a manifest's longest key has ~40"),
     # A module path in a manifest or a checkpoint key: real ones (LingBot-Map, Flux, HF) are
     # under 12 dotted parts and 200 characters.
-    Limit("KEY_PARTS", 64, "dotted parts", "real checkpoint keys have at most ~12"),
+    Limit("KEY_PARTS", 32, "dotted parts", "real checkpoint keys have at most ~12"),
     Limit("KEY_CHARS", 4096, "characters", "real checkpoint keys are under 200"),
+    # The characters of the distinct module paths keys imply, over the keys' own characters:
+    # real keys share their prefixes (a 24-block model: ~0.3x).
+    Limit("MODULE_PATHS_RATIO", 8, "x", "real keys share their prefixes (well under 1x)"),
     # Pickles: the pickle torch unpickles (a zip's data.pkl or a legacy file) is ~100-200
     # bytes per tensor: 1M tensors is ~200 MB.
     Limit("PICKLE_BYTES", 1024 * _MIB, "bytes", "1M tensors pickle to ~200 MB"),

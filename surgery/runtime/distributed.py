@@ -59,7 +59,9 @@ def wrapped_child(mod: nn.Module, seg: str) -> nn.Module | None:
     """Child `seg` of `mod`, looking through any wrappers around `mod` (None if none has it)."""
     seen = 0
     while seen < 8:  # wrappers nest a few deep (DDP around checkpoint_wrapper ...), never more
-        child = dict(mod.named_children()).get(seg)
+        # One dict lookup, not a dict of every child built per segment (a wide container
+        # made resolving its paths quadratic).
+        child = getattr(mod, "_modules", {}).get(seg)
         if child is not None:
             return child
         inner = wrapper_child(mod)
