@@ -108,6 +108,7 @@ def test_split_points_and_pieces_are_found() -> None:
         assert rec.pieces == 2  # norm+qkv before; proj+mlp after
         assert 3 <= rec.ops_between <= 6
         assert rec.ops_between_run >= rec.ops_between
+    assert "pieces=2 between=" in handle.report.summary()
 
 
 def test_cache_grows_as_eager_without_recompiles() -> None:

@@ -121,3 +121,19 @@ def test_golden_piecewise_manifest_reads_back() -> None:
     (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
     assert pw.piecewise == {"split_ops": ["scaled_dot_product_attention"],
                             "dynamic": ["self.attn.kv_cache"]}
+
+
+def test_evidence_plan_makes_the_growing_cache_blocks_piecewise() -> None:
+    """plan --input --piecewise: the blocks whose cache the run saw grow become piecewise, the
+    evidence regions inside them are dropped, and the coverage counts the piecewise blocks."""
+    from surgery.planning.observed import plan_observed
+
+    result = plan_observed("surgery.examples:tiny_sdpa", input_spec="surgery.examples:stream_step",
+                           steps=3, timed_steps=1, piecewise=True)
+    m = _round_trip(result.manifest)
+    (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+    assert pw.paths == ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
+    assert pw.piecewise["dynamic"] == ["self.attn.kv_cache"]
+    paths = [p for r in m.regions for p in r.paths]
+    assert not any(p.startswith("aggregator.global_blocks.0.") for p in paths)
+    assert m.coverage is not None and m.coverage["covered_share"] > 0

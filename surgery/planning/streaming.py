@@ -122,12 +122,12 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
     for lo in manifest.left_out:
         if lo.path in kept:
             lo.reason = f"{lo.reason}; {kept[lo.path]}"
-    for (cls, sources), paths in groups.items():
+    for (cls, found), paths in groups.items():
         params = sum(view.numel(p) for p in paths)
         manifest.regions.append(Region(
             kind=PIECEWISE_KIND, paths=sorted(paths, key=natural_key), module_class=cls,
             parameters=params,
-            piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(sources)}))
+            piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(found)}))
     manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
     if chosen:
         manifest.model["covered_parameters"] = _covered(manifest, view)

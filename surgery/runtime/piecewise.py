@@ -18,8 +18,9 @@ The choice, after reading what torch offers (2.11 to 2.14):
   graph, but only for inductor's own cudagraph trees, whose per-call host cost (80-140 us on an
   H200) is the overhead this project measured and avoids (``capture = "region"``); it also ties
   the pieces to inductor.
-- **Not ``nested_compile_region``**: it compiles a region once and reuses it inside an outer
-  compile (repeated blocks); it does not split around shape-changing ops, and it is not in 2.11.
+- **Not ``nested_compile_region``**: it compiles a repeated region once and stamps it out
+  inside an outer compile, which cuts compile time; it does not split around shape-changing
+  ops nor hand surgery pieces to capture, and its per-region backend option is 2.12's.
 - **``mark_dynamic``, not ``mark_unbacked``**: the cache length is marked dynamic on the cache
   tensors the manifest locates (``dynamic = ["past_key_values:2"]``), so the graph is not traced
   again as the cache grows. ``mark_dynamic`` raises when the code branches on the marked size

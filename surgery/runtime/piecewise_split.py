@@ -81,6 +81,25 @@ def classify(gm: fx.GraphModule, *, split_ops: Sequence[str], cache_inputs: set[
     return out
 
 
+def _free(node: fx.Node) -> bool:
+    return node.target in _FREE or op_name(node) in _FREE
+
+
+def _merge_free_runs(between: dict[fx.Node, bool]) -> dict[fx.Node, bool]:
+    """A static run of bookkeeping ops only (a view, a transpose) joins the ops between pieces:
+    as a piece of its own it would cost a graph and capture nothing (it returns views)."""
+    out = dict(between)
+    run: list[fx.Node] = []
+    for node, b in [*between.items(), (None, True)]:
+        if b:
+            if run and all(_free(n) for n in run):
+                out.update(dict.fromkeys(run, True))
+            run = []
+        else:
+            run.append(node)  # type: ignore[arg-type]
+    return out
+
+
 def _tuple_output(gm: fx.GraphModule) -> bool:
     """Make the piece return a tuple (backends require one); True if it returned one value."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -93,8 +112,7 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
 
 
 def _is_work(gm: fx.GraphModule) -> bool:
-    return any(n.op.startswith("call") and (n.target not in _FREE and op_name(n) not in _FREE)
-               for n in gm.graph.nodes)
+    return any(n.op.startswith("call") and not _free(n) for n in gm.graph.nodes)
 
 
 def _ops(gm: fx.GraphModule) -> int:
@@ -116,7 +134,7 @@ class PiecewiseGraph:
                         if id(e) in cache_ids}
         stable = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                   if id(e) in stable_ids or isinstance(e, nn.Parameter)}
-        between = classify(gm, split_ops=split_ops, cache_inputs=cache_inputs)
+        between = _merge_free_runs(classify(gm, split_ops=split_ops, cache_inputs=cache_inputs))
         part: dict[fx.Node, int] = {}
         pid, last = 0, None
         for node, b in between.items():

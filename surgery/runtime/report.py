@@ -165,6 +165,8 @@ class ApplyReport(Sequence[RegionRecord]):
                          f"compiled_runs={r.compiled_runs} recompiles={r.recompiles}"
                          + (f" captured={r.graphs_captured} replays={r.cuda_graph_replays}"
                             f" output_sets={r.output_sets}" if r.graphs_captured else "")
+                         + (f" pieces={r.pieces} between={r.ops_between}"
+                            f" ({', '.join(r.split_ops)})" if r.pieces else "")
                          + (f" sigs={r.signatures}" if r.signatures else "")
                          + (f" [{r.signature_mode}]" if r.signature_mode == "dynamic" else "")
                          + why)
