@@ -28,11 +28,20 @@ def fresh_dynamo():
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _let_torchvision_import_on_cpu_torch()
+    if _let_torchvision_import_on_cpu_torch():
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            "this venv's torchvision was built for another torch (the venv predates issue 21); "
+            "the tests declared its ops so that timm imports, but outside pytest it does not: "
+            "rebuild it with `make clean && make install` (tests/test_venv.py fails until then)"),
+            stacklevel=2)
 
 
-def _let_torchvision_import_on_cpu_torch() -> None:
+def _let_torchvision_import_on_cpu_torch() -> bool:
     """Let ``import torchvision`` (which timm needs) work beside the CPU build of torch.
+
+    Transitional: a venv built by the Makefile since issue 21 has a torchvision that matches
+    its torch, and this does nothing there (False). It stays for venvs made before, and says so
+    (True), until they are rebuilt; then it goes away.
 
     PyPI's x86_64 torchvision wheel links against CUDA torch (libtorch_cuda.so), so beside the
     CPU torch 2.13.0 its C ops do not load, and its import then dies registering a fake kernel
@@ -48,7 +57,7 @@ def _let_torchvision_import_on_cpu_torch() -> None:
 
     spec = importlib.util.find_spec("torchvision")
     if spec is None or spec.origin is None:
-        return
+        return False
     import torch
 
     # Its extension is `_C.so` up to 0.28 and `_C_stable.so` from 0.29 on: if any of them loads,
@@ -58,10 +67,11 @@ def _let_torchvision_import_on_cpu_torch() -> None:
         if name.startswith("_C") and name.endswith(".so"):
             try:
                 ctypes.CDLL(os.path.join(folder, name))
-                return
+                return False
             except OSError:
                 pass
     for op in ("nms", "qnms"):
         with contextlib.suppress(RuntimeError):  # already declared
             torch.library.define(f"torchvision::{op}",
                                  "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    return True
