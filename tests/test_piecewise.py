@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.errors import ManifestError
+from surgery.errors import ManifestError, RegionError
 from surgery.examples import tiny_sdpa
 from surgery.examples.sdpa import Rope2D, RopeBlock
 from surgery.formats.fingerprint import compute_fingerprint
@@ -169,6 +169,22 @@ def test_block_that_cannot_be_piecewise_falls_back_with_reason(kw: dict[str, boo
     for rec in handle.report:
         assert rec.status == "eager"
         assert why in rec.reason, rec.reason
+
+
+def test_on_failure_error_raises_and_in_memory_tables_are_checked() -> None:
+    model = Stack(graph_break=True)
+    manifest = piecewise_manifest(model, ["blocks.0", "blocks.1"], CACHE)
+    manifest.regions[0].on_failure = "error"
+    apply_manifest(model, manifest)
+    with pytest.raises(RegionError, match=r"piecewise region path 'blocks\.0' failed"), \
+            torch.no_grad():
+        model(torch.randn(1, 3, 16))
+    for bad in ({"split_ops": ["system"]}, {"dynamic": ["self.__class__:2"]}, {"other": []}):
+        fresh = Stack()
+        m = piecewise_manifest(fresh, ["blocks.0"], CACHE)
+        m.regions[0].piecewise = bad
+        with pytest.raises(RegionError):
+            apply_manifest(fresh, m)
 
 
 def test_inductor_pieces_match_eager() -> None:

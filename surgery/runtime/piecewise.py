@@ -63,7 +63,12 @@ from surgery.formats.manifest import Region
 from surgery.runtime.budget import fresh_function, parameter_names
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
-from surgery.runtime.piecewise_split import DEFAULT_SPLIT_OPS, PathPieces, PiecewiseGraph
+from surgery.runtime.piecewise_split import (
+    DEFAULT_SPLIT_OPS,
+    SPLIT_OPS,
+    PathPieces,
+    PiecewiseGraph,
+)
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.slots import _make_wrapper
 
@@ -353,7 +358,14 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
                       capturer: Capturer | None) -> PiecewiseSlot:
     """Install the piecewise wrapper on ``mod.name`` (a block's forward)."""
     spec = region.piecewise or {}
+    # A Manifest built in memory skipped the reader's schema: check the table again here.
+    unknown = sorted(set(spec) - {"split_ops", "dynamic"})
     split_ops = tuple(spec.get("split_ops", DEFAULT_SPLIT_OPS))
+    bad = [op for op in split_ops if op not in SPLIT_OPS]
+    if unknown or bad:
+        raise RegionError(f"piecewise region {rec.path!r}: " + (
+            f"unknown key(s) {unknown}" if unknown else f"split op(s) {bad} not allowed"),
+            region=rec.path, hint=f"keys: split_ops, dynamic; split ops: {list(SPLIT_OPS)}")
     sources = [Source.parse(s, region=rec.path) for s in spec.get("dynamic", ())]
     own = vars(mod).get(name)
     if getattr(own, "__surgery_slot__", None) is not None:
