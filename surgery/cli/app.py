@@ -22,12 +22,14 @@ import click
 
 from surgery import __version__
 from surgery.errors import EXIT_CANNOT_RUN, SurgeryError
+from surgery.formats.limits import printable
 from surgery.formats.source import resolve_checkpoint
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+MAX_ERROR_CHARS = 1000  # an error or fix line is cut here; --json keeps the full text
 
 _EXIT_LINES: dict[int, str] = {
     0: "  0  clean / done",
@@ -58,9 +60,12 @@ def error_json(code: str, message: str, hint: str | None, exit_code: int) -> dic
 
 
 def _fail(err: SurgeryError, *, as_json: bool = False) -> None:
-    click.secho(f"error: {err.message}", fg="red", err=True)
+    # One line each, escaped and cut (a key in a message can be 600 KB or hold a newline);
+    # the full text stays in the --json output.
+    click.secho(f"error: {printable(err.message, max_chars=MAX_ERROR_CHARS)}", fg="red",
+                err=True)
     if err.hint:
-        click.echo(f"  fix: {err.hint}", err=True)
+        click.echo(f"  fix: {printable(err.hint, max_chars=MAX_ERROR_CHARS)}", err=True)
     if as_json:
         code = getattr(err, "code", None) or type(err).__name__
         emit_json(error_json(str(code), err.message, err.hint, err.exit_code))
@@ -124,6 +129,8 @@ def handle_errors(fn: F) -> F:
             sys.exit(EXIT_INTERRUPTED)
         except MemoryError:
             _fail(SurgeryError("out of memory"), as_json=as_json)
+        except BrokenPipeError:
+            quiet_broken_pipe()  # the reader's choice, not a failure: 141, as under SIGPIPE
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as e:  # the catch-all is the point: an accident must not read as 1
@@ -223,9 +230,10 @@ def _each(files: tuple[str, ...], one: Callable[[str], int], *, as_json: bool) -
         try:
             code = one(path)
         except SurgeryError as e:
-            click.secho(f"error: {e.message}", fg="red", err=True)
+            click.secho(f"error: {printable(e.message, max_chars=MAX_ERROR_CHARS)}", fg="red",
+                        err=True)
             if e.hint:
-                click.echo(f"  fix: {e.hint}", err=True)
+                click.echo(f"  fix: {printable(e.hint, max_chars=MAX_ERROR_CHARS)}", err=True)
             code = e.exit_code
         worst = max(worst, code)
     sys.exit(worst)
@@ -235,8 +243,29 @@ def _each(files: tuple[str, ...], one: Callable[[str], int], *, as_json: bool) -
 
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as shells report a reader that went away
+
+
 def main() -> None:
-    cli(prog_name="surgery")
+    """The console script. A reader that closes the pipe early (``surgery verify ... | head``)
+    ends the run quietly with 141, as a shell tool killed by SIGPIPE would."""
+    try:
+        cli(prog_name="surgery")
+    except BrokenPipeError:
+        quiet_broken_pipe()
+    try:
+        sys.stdout.flush()  # what was buffered meets the closed pipe here, not at exit
+    except BrokenPipeError:
+        quiet_broken_pipe()
+
+
+def quiet_broken_pipe() -> None:
+    # Python flushes stdout again at exit and would print "Exception ignored ... BrokenPipe":
+    # point it at /dev/null first.
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    os._exit(EXIT_BROKEN_PIPE)
 
 
 

@@ -12,6 +12,7 @@ import click
 from surgery import hygiene
 from surgery.cli.app import (
     FORMAT_OPTION,
+    MAX_ERROR_CHARS,
     _each,
     _no_cycle_collection,
     _resolve,
@@ -21,6 +22,7 @@ from surgery.cli.app import (
     handle_errors,
 )
 from surgery.formats.keys import canonical_key
+from surgery.formats.limits import printable
 from surgery.formats.writer import parse_size
 
 
@@ -49,33 +51,44 @@ class _Progress:
             self.bar = None
 
 
+def _echo(line: str, **kw: Any) -> None:
+    """One line of text output: keys and paths come from the file, so control characters are
+    escaped (a newline in a key must not forge an "OK" line) and the line is cut; --json keeps
+    every key in full."""
+    click.echo(printable(line, max_chars=MAX_ERROR_CHARS), **kw)
+
+
+def _secho(line: str, **kw: Any) -> None:
+    click.secho(printable(line, max_chars=MAX_ERROR_CHARS), **kw)
+
+
 def _render_findings(report: Any, *, all_keys: bool) -> None:
     where = f", entry {report.entry!r}" if report.entry else ""
     pre = f", prefix {report.prefix!r}" if report.prefix else ""
-    click.echo(f"{report.path}: {report.tensors} tensors ({report.format}{where}{pre})")
+    _echo(f"{report.path}: {report.tensors} tensors ({report.format}{where}{pre})")
     if report.fingerprint:
-        click.echo(f"  fingerprint {report.fingerprint}")
+        _echo(f"  fingerprint {report.fingerprint}")
     for f in report.findings:
         color = "red" if f.severity == "error" else "yellow"
         n = f"{f.count} key{'s' if f.count != 1 else ''}" if f.keys else ""
-        click.secho(f"{f.code} {f.severity}: {f.title}" + (f" ({n})" if n else ""), fg=color)
+        _secho(f"{f.code} {f.severity}: {f.title}" + (f" ({n})" if n else ""), fg=color)
         if f.wrapper:
-            click.echo(f"  wrapper: {f.wrapper}")
+            _echo(f"  wrapper: {f.wrapper}")
         shown = f.keys if all_keys and f.code.startswith(("SG0", "SG102", "SG2")) else []
         if shown and f.code in ("SG001", "SG002", "SG003", "SG004", "SG005"):
 
             shown = [f"{k} -> {canonical_key(k)}" for k in shown]
         for line in shown or f.examples:
-            click.echo(f"    {line}")
+            _echo(f"    {line}")
         if not shown and f.count > len(f.examples) and f.examples:
-            click.echo(f"    ... and {f.count - len(f.examples)} more (--all lists every key)")
-        click.echo(f"  fix: {f.fix}")
+            _echo(f"    ... and {f.count - len(f.examples)} more (--all lists every key)")
+        _echo(f"  fix: {f.fix}")
     errors = [f for f in report.findings if f.severity == "error"]
     if errors:
-        click.secho(f"FAIL: {len(errors)} finding(s), {report.problems} key(s)", fg="red",
+        _secho(f"FAIL: {len(errors)} finding(s), {report.problems} key(s)", fg="red",
                     bold=True)
     else:
-        click.secho("OK: prefix-free" + (", manifest matches" if report.manifest else "")
+        _secho("OK: prefix-free" + (", manifest matches" if report.manifest else "")
                     + (", data finite" if report.deep else ""), fg="green")
 
 
@@ -192,16 +205,16 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
         return
     where = result.index or result.files[0]
     shards = f" in {len(result.files)} shards" if result.index else ""
-    click.echo(f"wrote {where}{shards}: {result.tensors} tensors "
+    _echo(f"wrote {where}{shards}: {result.tensors} tensors "
                f"({result.stored} stored, {len(result.aliases)} tied), "
                f"{result.renamed} renamed, {result.bytes_written / 1e6:.1f} MB "
                f"in {result.seconds:.2f} s")
-    click.echo(f"  fingerprint {result.fingerprint}")
+    _echo(f"  fingerprint {result.fingerprint}")
     if result.manifest_sha256:
-        click.echo(f"  manifest embedded (sha256 {result.manifest_sha256[:16]}...)")
+        _echo(f"  manifest embedded (sha256 {result.manifest_sha256[:16]}...)")
     for k, why in sorted(result.dropped.items())[:5]:
-        click.echo(f"  left out {k}: {why}")
+        _echo(f"  left out {k}: {why}")
     if len(result.dropped) > 5:
-        click.echo(f"  ... and {len(result.dropped) - 5} more left out")
+        _echo(f"  ... and {len(result.dropped) - 5} more left out")
     for note in result.recovered:
-        click.secho(f"note: {note}", fg="yellow", err=True)
+        _secho(f"note: {note}", fg="yellow", err=True)
