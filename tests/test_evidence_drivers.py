@@ -465,3 +465,25 @@ def test_the_plan_that_covers_more_of_the_step_is_kept() -> None:
     left = dict(names.left_out)
     assert left["blocks.1"] == "left out by the names-only plan"  # still one fate each
     assert names.coverage["covered_share"] >= joined.coverage["covered_share"]
+
+
+def test_warm_up_in_one_grad_off_mode_and_deploy_in_the_other_says_it_compiles_again() -> None:
+    """The recompile is real (dynamo guards on inference mode), so the warning names it."""
+    from surgery import apply_manifest
+    from surgery.runtime.signatures import GradModeWarning
+
+    torch._dynamo.reset()
+    model = Net().eval()
+    m = plan_from_step(model, _no_grad_call, steps=2, timed_steps=0)
+    handle = apply_manifest(model, m, warmup=_no_grad_call,
+                            overrides={"backend": "eager", "on_cpu": "compile"})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnplannedSignatureWarning)
+            with pytest.warns(GradModeWarning, match="ran under no_grad and now under "
+                              "inference_mode.*compiles it again"), torch.inference_mode():
+                model(X)
+        rec = next(r for r in handle.report if r.path == "blocks.0")
+        assert rec.signatures == 2  # the runtime counted the second compile too
+    finally:
+        handle.restore()

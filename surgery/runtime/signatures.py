@@ -209,17 +209,23 @@ class SignatureCheck:
         self.dynamic_dims = dynamic_dims or None
         self.met: set[Any] = set()
         self.warned = False
+        self.grad_off: str | None = None  # the first grad-off mode it ran under
+        self.mode_warned = False
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.warned:
+        if self.warned and self.mode_warned:
             return
+        inference = torch.is_inference_mode_enabled()
         cheap = (tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
                        (a if isinstance(a, (int, float, bool, str)) or a is None else type(a))
-                       for a in args), tuple(sorted(kwargs)), torch.is_grad_enabled(),
+                       for a in args), tuple(sorted(kwargs)), torch.is_grad_enabled(), inference,
                  torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
         if cheap in self.met:
             return
         self.met.add(cheap)
+        self._check_mode(inference)
+        if self.warned:
+            return
         full = signature_of(self.fn, args, kwargs)
         if self.dynamic_dims:
             full = wildcard(full, self.dynamic_dims)
@@ -233,6 +239,28 @@ class SignatureCheck:
                       f"describe this call, which costs a compile and a graph of its own unless "
                       f"warm-up already ran it. Re-plan with an --input that runs the model as "
                       f"deployed.", UnplannedSignatureWarning, stacklevel=4)
+
+    def _check_mode(self, inference: bool) -> None:
+        """One plan serves both grad-off modes, but one compiled graph does not: dynamo guards
+        on inference mode (checked on torch 2.13: a function compiled under no_grad compiles
+        again under inference_mode). Say so once when a path switches between them."""
+        if torch.is_grad_enabled() or self.mode_warned:
+            return
+        mode = "inference_mode" if inference else "no_grad"
+        if self.grad_off is None:
+            self.grad_off = mode
+            return
+        if mode != self.grad_off:
+            self.mode_warned = True
+            warnings.warn(f"surgery: region path {self.path!r} ran under {self.grad_off} and now "
+                          f"under {mode}: its plan is the same, but dynamo compiles it again and "
+                          f"another CUDA graph is captured (a compiled graph guards on inference "
+                          f"mode). Warm up under the mode you deploy in.", GradModeWarning,
+                          stacklevel=4)
+
+
+class GradModeWarning(UserWarning):
+    """A region path ran under both no_grad and inference_mode: it compiles once for each."""
 
 
 def signature_check(evidence: dict[str, Any] | None, path: str, fn: Callable[..., Any],
