@@ -31,12 +31,14 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable[..., dict[str, Any]], port: int, out: str,
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], world: int, backend: str) -> None:
     from conftest import _let_torchvision_import_on_cpu_torch  # timm imports torchvision
 
     _let_torchvision_import_on_cpu_torch()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         result = fn(rank, *args)
@@ -46,12 +48,14 @@ def _entry(rank: int, fn: Callable[..., dict[str, Any]], port: int, out: str,
         json.dump(result, f)
 
 
-def spawn(fn: Callable[..., dict[str, Any]], out: str, *args: Any) -> list[dict[str, Any]]:
-    """Run ``fn(rank, *args)`` on 2 gloo ranks; the results, by rank."""
-    mp.start_processes(_entry, args=(fn, free_port(), out, args), nprocs=WORLD, join=True,
-                       start_method="spawn")
+def spawn(fn: Callable[..., dict[str, Any]], out: str, *args: Any, world: int = WORLD,
+          backend: str = "gloo") -> list[dict[str, Any]]:
+    """Run ``fn(rank, *args)`` on `world` ranks (gloo, or nccl with one GPU each); the results,
+    by rank."""
+    mp.start_processes(_entry, args=(fn, free_port(), out, args, world, backend), nprocs=world,
+                       join=True, start_method="spawn")
     results = []
-    for r in range(WORLD):
+    for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:
             results.append(json.load(f))
     return results
@@ -229,3 +233,56 @@ def apply_all(rank: int, manifest_text: str, dcp_dir: str) -> dict[str, Any]:
     return {"ddp": _outcome(lambda: _ddp(manifest, x, ref)),
             "fsdp2": _outcome(lambda: _fsdp2(manifest, x, ref, dcp_dir)),
             "tp": _outcome(lambda: _tp(manifest, x, ref))}
+
+
+# --- on GPUs (tests/test_distributed_cuda.py) -------------------------------------------------
+
+def cuda_case(rank: int, kind: str, manifest_text: str) -> dict[str, Any]:
+    """One wrapping on CUDA (bf16, inference_mode), with the manifest's own settings (region
+    CUDA graphs): how each region ran, its captures and replays, and the difference from eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from surgery import apply_manifest
+    from surgery.formats.manifest import parse_manifest
+
+    world = dist.get_world_size()
+    manifest = parse_manifest(manifest_text, path="vit.surgery.toml")
+    dev = torch.device("cuda", rank)
+    x = image().to(dev, torch.bfloat16)
+    model = timm_vit().to(dev, torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x).float()
+    if kind == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cuda", (world,))
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh, {"fc1": ColwiseParallel(),
+                                                 "fc2": RowwiseParallel()})
+        wrapped = model
+    keys = list(wrapped.state_dict())
+    with torch.inference_mode():
+        handle = apply_manifest(wrapped, manifest, warmup=lambda m: m(x))
+        outs = [wrapped(x).float() for _ in range(3)]
+    torch.cuda.synchronize()
+    gathered = handle.report.gather()
+    rel = max(((o - ref).abs().max() / ref.abs().max()).item() for o in outs)
+    return {"rel": rel, "keys_same": list(wrapped.state_dict()) == keys,
+            "statuses": [r.status for r in handle.report],
+            "captured": [r.graphs_captured for r in handle.report],
+            "replays": [r.cuda_graph_replays for r in handle.report],
+            "notes": [n for r in handle.report for n in r.notes],
+            "gathered": None if gathered is None else len(gathered)}
