@@ -87,12 +87,12 @@ def _outcome(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def _applied(model: nn.Module, wrapped: nn.Module, manifest: Any, x: torch.Tensor,
-             ref: torch.Tensor) -> dict[str, Any]:
+             ref: torch.Tensor, mode: Callable[[], Any] = torch.no_grad) -> dict[str, Any]:
     from surgery import apply_manifest
     from surgery.runtime.graphs.collectives import collective_count
 
     keys = _keys(wrapped)
-    with torch.no_grad():
+    with mode():
         wrapped(x)  # FSDP2's lazy init issues collectives of its own on the first call
         before = collective_count()
         wrapped(x)
@@ -172,7 +172,10 @@ def _tp(manifest: Any, x: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (WORLD,))
     for block in model.blocks:
         parallelize_module(block.mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    out = _applied(model, model, manifest, x, ref)
+    # Applied and bound inside inference_mode, as a server does (DTensor parameters cannot be
+    # detached there: binding reads the state dict outside it). FSDP2 itself fails under
+    # inference_mode (torch 2.13), so it runs under no_grad.
+    out = _applied(model, model, manifest, x, ref, mode=torch.inference_mode)
     out.pop("handle").restore()
     out["capture"] = _tp_capture(model, x)
     return out
@@ -237,9 +240,11 @@ def apply_all(rank: int, manifest_text: str, dcp_dir: str) -> dict[str, Any]:
 
 # --- on GPUs (tests/test_distributed_cuda.py) -------------------------------------------------
 
-def cuda_case(rank: int, kind: str, manifest_text: str) -> dict[str, Any]:
+def cuda_case(rank: int, kind: str, manifest_text: str, device: str = "cuda"
+              ) -> dict[str, Any]:
     """One wrapping on CUDA (bf16, inference_mode), with the manifest's own settings (region
-    CUDA graphs): how each region ran, its captures and replays, and the difference from eager."""
+    CUDA graphs): how each region ran, its captures and replays, and the difference from eager.
+    ``device="cpu"`` runs the same steps in fp32 with CPU_OVERRIDES (a dry run of the code)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from surgery import apply_manifest
@@ -247,17 +252,20 @@ def cuda_case(rank: int, kind: str, manifest_text: str) -> dict[str, Any]:
 
     world = dist.get_world_size()
     manifest = parse_manifest(manifest_text, path="vit.surgery.toml")
-    dev = torch.device("cuda", rank)
-    x = image().to(dev, torch.bfloat16)
-    model = timm_vit().to(dev, torch.bfloat16)
+    cuda = device == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = image().to(dev, dtype)
+    model = timm_vit().to(dev, dtype)
     with torch.inference_mode():
         ref = model(x).float()
     if kind == "ddp":
-        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if cuda else None)
     elif kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cuda", (world,))
+        mesh = init_device_mesh(device, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
@@ -268,16 +276,20 @@ def cuda_case(rank: int, kind: str, manifest_text: str) -> dict[str, Any]:
             parallelize_module,
         )
 
-        mesh = init_device_mesh("cuda", (world,))
+        mesh = init_device_mesh(device, (world,))
         for block in model.blocks:
             parallelize_module(block.mlp, mesh, {"fc1": ColwiseParallel(),
                                                  "fc2": RowwiseParallel()})
         wrapped = model
     keys = list(wrapped.state_dict())
-    with torch.inference_mode():
-        handle = apply_manifest(wrapped, manifest, warmup=lambda m: m(x))
+    # FSDP2 fails under inference_mode (torch 2.13: its unshard keeps version counters, which
+    # inference tensors lack), so it runs under no_grad, where region graphs capture too.
+    with torch.no_grad() if kind == "fsdp2" else torch.inference_mode():
+        handle = apply_manifest(wrapped, manifest, warmup=lambda m: m(x),
+                                overrides=None if cuda else CPU_OVERRIDES)
         outs = [wrapped(x).float() for _ in range(3)]
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     gathered = handle.report.gather()
     rel = max(((o - ref).abs().max() / ref.abs().max()).item() for o in outs)
     return {"rel": rel, "keys_same": list(wrapped.state_dict()) == keys,

@@ -238,3 +238,10 @@ def test_metadata_bounds_are_those_of_every_pickle(saved: str,
             f.write(data)
         with pytest.raises(CheckpointError, match="not a readable pickle"):
             read_checkpoint(saved, kind="dcp")
+
+
+def test_cli_plan_writes_the_manifest_beside_the_folder(saved: str) -> None:
+    result = CliRunner().invoke(cli, ["plan", saved + "/"])
+    assert result.exit_code == 0, result.output
+    assert os.path.isfile(saved + ".surgery.toml")
+    assert not os.path.exists(os.path.join(saved, ".surgery.toml"))

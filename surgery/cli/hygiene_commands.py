@@ -112,7 +112,8 @@ def verify(checkpoints: tuple[str, ...], manifest: str | None, deep: bool, key: 
            prefix: str | None, all_keys: bool, fmt: str | None, as_json: bool) -> None:
     """Prove CHECKPOINT is prefix-free (a CI gate): exit 0 clean, 1 findings, 3 unreadable.
 
-    CHECKPOINT is a file or a save_pretrained folder; several are checked one by one (as a
+    CHECKPOINT is a file, a save_pretrained folder or a DCP folder (torch.distributed.checkpoint:
+    .metadata + *.distcp, read from .metadata alone); several are checked one by one (as a
     pre-commit hook passes them) and the worst exit code wins. For a .safetensors file it reads
     the header only, without importing torch.
 
@@ -123,6 +124,7 @@ def verify(checkpoints: tuple[str, ...], manifest: str | None, deep: bool, key: 
       surgery verify model.safetensors --manifest model.surgery.toml   # bound to its plan?
       surgery verify model.safetensors --deep          # NaN/Inf, float64, shared storage
       surgery verify ckpts/*.pt --json                 # one report per file, worst exit wins
+      surgery verify ckpt/step-1000 --deep             # a DCP folder, each tensor read once
     """
     def one(checkpoint: str) -> int:
         resolved = _resolve(checkpoint, fmt, quiet=as_json)
@@ -179,8 +181,8 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
            as_json: bool) -> None:
     """Write CHECKPOINT's unwrapped model as prefix-free safetensors.
 
-    CHECKPOINT is a file or a save_pretrained folder. The write is atomic and streams tensor
-    by tensor; the input is never modified.
+    CHECKPOINT is a file, a save_pretrained folder or a DCP folder (torch.distributed.checkpoint).
+    The write is atomic and streams tensor by tensor; the input is never modified.
 
     \b
     Examples:
@@ -188,6 +190,7 @@ def export(checkpoint: str, output: str, manifest: str | None, key: str | None,
       surgery export last.ckpt --prefix model. -o model.safetensors   # Lightning's inner model
       surgery export ema.pt --key ema -o ema.safetensors               # one entry of a container
       surgery export ./bert/ -o bert.safetensors --max-shard-size 2GB  # shards + index.json
+      surgery export ckpt/step-1000 -o model.safetensors  # a DCP folder (FSDP2, torchtitan)
     """
     if not output.endswith(".safetensors"):
         raise click.BadParameter(f"{output!r} does not end in .safetensors",

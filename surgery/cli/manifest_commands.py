@@ -140,7 +140,8 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
 
     \b
     SOURCE is a .safetensors, .pt/.pth/.pth.tar/.ckpt/.bin or sharded *.index.json checkpoint,
-    or a save_pretrained folder holding one (model.safetensors, pytorch_model.bin, ...).
+    or a save_pretrained folder holding one (model.safetensors, pytorch_model.bin, ...), or a
+    DCP folder (torch.distributed.checkpoint.save: planned from its .metadata alone).
     Safetensors files are planned from their header alone (no tensor data is read).
     Wrapper-prefixed keys (_orig_mod., module., ...) are planned as the clean model.
 

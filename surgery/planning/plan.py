@@ -109,6 +109,7 @@ def default_output(source: str) -> str:
     """`model.safetensors` -> `model.surgery.toml` beside it; a factory -> `<name>.surgery.toml`."""
     if ":" in source and not os.path.exists(source):
         return source.rsplit(":", 1)[1] + MANIFEST_SUFFIX
+    source = source.rstrip("/") or source  # a folder (DCP) given as `ckpt/step-10/`: beside it
     base = os.path.basename(source)
     for suffix in (".safetensors.index.json", ".bin.index.json", ".index.json", ".safetensors",
                    ".pth.tar", ".tar", ".pt", ".pth", ".ckpt", ".bin"):

@@ -7,10 +7,10 @@ communicates beyond gathering the reports (torchrun, DDP, ``fully_shard`` and
 - **Paths.** A manifest's paths are the canonical model's (no ``module.``). They resolve through
   the wrappers that training adds, which hold the model under one attribute:
   ``DistributedDataParallel`` / ``DataParallel`` (``module``), FSDP1 (``_fsdp_wrapped_module``),
-  ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) and ``torch.compile``'s
-  ``OptimizedModule`` (``_orig_mod``): where a path's segment is not a child but such a wrapper
-  child is, resolution steps through it (`wrapped_child`). FSDP2 (``fully_shard``) and tensor
-  parallelism change no path: they swap the module's class and parameters in place.
+  and ``checkpoint_wrapper`` (``_checkpoint_wrapped_module``): where a path's segment is not
+  a child but such a wrapper child is, resolution steps through it (`wrapped_child`). FSDP2
+  (``fully_shard``) and tensor parallelism change no path: they swap the module's class and
+  parameters in place.
 - **Hooks.** apply replaces ``forward`` on the instance, so ``nn.Module.__call__`` still runs
   every hook around it: FSDP2's pre-forward all-gather and post-forward reshard, DDP's, and the
   input/output redistribution of ``parallelize_module``'s styles. A region that is an FSDP unit
@@ -21,6 +21,11 @@ communicates beyond gathering the reports (torchrun, DDP, ``fully_shard`` and
 - **Collectives inside a region** (a tensor-parallel block whose output hook all-reduces) are
   compiled (dynamo traces DTensor and functional collectives) but never captured in a CUDA
   graph: the rule and its evidence are in surgery.runtime.graphs.collectives.
+- **Grad modes.** Binding reads the state dict outside inference mode (a DTensor parameter
+  cannot be detached inside it), so a tensor-parallel model applies under ``inference_mode``.
+  FSDP2 itself fails under ``inference_mode`` (torch 2.13: its unshard preserves version
+  counters, which inference tensors lack); warm up and serve it under ``no_grad``, where region
+  graphs capture as well.
 - **Reports.** `gather_reports` collects every rank's report on one rank (``dst``) as JSON text
   through ``gather_object``; the peers are ranks of the same job.
 """
@@ -34,12 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery.formats.keys import CHECKPOINT_WRAPPED, FSDP_WRAPPED, MODULE, ORIG_MOD
+from surgery.formats.keys import CHECKPOINT_WRAPPED, FSDP_WRAPPED, MODULE
 
 # Attribute under which each wrapper keeps the module it wraps (keys.py names the segments).
 # ``module`` counts only on the wrapper classes that own it: a user's own child called
 # ``module`` is a real path segment.
-WRAPPER_CHILDREN: tuple[str, ...] = (FSDP_WRAPPED.name, CHECKPOINT_WRAPPED.name, ORIG_MOD.name)
+# ``_orig_mod`` is not stepped through: a region inside an OptimizedModule would be compiled
+# twice (torch.compile's graph around surgery's wrapper); such a path fails to resolve, as before.
+WRAPPER_CHILDREN: tuple[str, ...] = (FSDP_WRAPPED.name, CHECKPOINT_WRAPPED.name)
 _MODULE_WRAPPERS: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 

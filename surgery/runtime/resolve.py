@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from surgery.errors import FingerprintMismatchError, ManifestError, RegionError
@@ -67,14 +68,20 @@ _WRAPPERS: tuple[tuple[str, str, str], ...] = (
     ("DistributedDataParallel", "module", "a DDP wrapper: pass its .module"),
     ("DataParallel", "module", "a DataParallel wrapper: pass its .module"),
 )
+# apply_manifest takes these as they are: its paths resolve through their .module, and each
+# rank applies to its own DDP model (surgery.runtime.distributed). Planning needs the inner one.
+_DATA_PARALLEL = ("DistributedDataParallel", "DataParallel")
 
 
-def refuse_wrapper(model: object, *, what: str) -> None:
-    """A RegionError for a model that is a wrapper around the model to compile, or no module."""
+def refuse_wrapper(model: object, *, what: str, data_parallel_ok: bool = False) -> None:
+    """A RegionError for a model that is a wrapper around the model to compile, or no module
+    (DDP and DataParallel pass with `data_parallel_ok`)."""
     if not isinstance(model, nn.Module):
         raise RegionError(f"{what} takes an nn.Module, not a {type(model).__name__}",
                           hint="pass the model (for a pipeline, its .transformer or .unet)")
     for cls, attr, says in _WRAPPERS:
+        if data_parallel_ok and cls in _DATA_PARALLEL:
+            continue
         if type(model).__name__ == cls and isinstance(getattr(model, attr, None), nn.Module):
             raise RegionError(f"{what}: the model is {says}", hint=f"{what}(model.{attr}, ...)")
 
@@ -82,11 +89,14 @@ def refuse_wrapper(model: object, *, what: str) -> None:
 def bind_model(model: nn.Module, manifest: Manifest, *, strict: bool = True) -> Binding:
     """Bind the manifest to the live model: canonical keys and shapes, not dtypes (a cast model
     binds, with a note). A mismatch says what differs (surgery.formats.binding) and raises, or warns
-    with ``strict=False``. A wrapper (torch.compile, AveragedModel, DDP) is refused first."""
+    with ``strict=False``. A wrapper (torch.compile, AveragedModel) is refused first; DDP is
+    applied through."""
 
-    refuse_wrapper(model, what="apply_manifest")
-    # The same naming as plan and export: canonical keys, EMA bookkeeping left out.
-    sd = model.state_dict()
+    refuse_wrapper(model, what="apply_manifest", data_parallel_ok=True)
+    # The same naming as plan and export: canonical keys, EMA bookkeeping left out. Outside
+    # inference mode: a DTensor parameter (tensor parallel) cannot be detached inside it.
+    with torch.inference_mode(False):
+        sd = model.state_dict()
     mk = model_keys(list(sd))
     if mk.collisions:
         raise collision_error(mk.collisions, source="the live model")
