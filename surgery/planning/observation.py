@@ -30,6 +30,7 @@ class Call:
     mutated: list[str] = field(default_factory=list)  # state it changed: "attribute kv_cache"
     inner: int = 0  # hash of what ran inside (ops and child calls, recursively)
     subtree_ops: int = 0  # ops that launch, in the call and below (views not counted)
+    out_bytes: int = 0  # bytes of the tensors a module call returned (graph memory estimate)
 
 
 @dataclass

@@ -176,6 +176,10 @@ class _Watcher:
                 self._enter(path, m, fwd.__get__(m), type(m), args, kwargs)
 
             def post(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+                if self.stack:  # what a region graph of it would keep: its output set
+                    self.calls[self.stack[-1]].out_bytes = sum(
+                        t.nbytes for t in torch.utils._pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor))
                 self._exit(m)
 
             self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))

@@ -192,6 +192,7 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
     cov = choice.coverage
     if notes is not None:
         notes.extend(_coverage_notes(cov, versus))
+        notes.append(graph_outputs_note(w.obs, list(choice.regions)))
     kinds = {c.path: c.kind for c in w.names.regions}
     manifest = _manifest(w.view, w.tensors, w.obs, choice, kinds=kinds, source=source,
                          compile=compile, extra={**(extra or {}), **versus})
@@ -211,6 +212,24 @@ def _coverage_notes(cov: dict[str, Any], versus: dict[str, Any]) -> list[str]:
                    f"time corrected for the hooks inside it); a watched step (signatures and "
                    f"ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
     return out
+
+
+def graph_outputs_bytes(obs: Any, paths: Sequence[str]) -> int:
+    """The plan's estimate of region-graph outputs (issue 20): one output set per region path
+    and signature, at the largest output its watched calls returned (module calls only)."""
+    largest: dict[tuple[str, Any], int] = {}
+    wanted = set(paths)
+    for c in obs.calls:
+        if c.path in wanted:
+            largest[(c.path, c.sig)] = max(largest.get((c.path, c.sig), 0), c.out_bytes)
+    return sum(largest.values())
+
+
+def graph_outputs_note(obs: Any, paths: Sequence[str]) -> str:
+    return (f"region graphs: about {graph_outputs_bytes(obs, paths) / 2**20:.1f} MiB of output "
+            f"sets before sharing (one per region path and signature, {len(set(paths))} "
+            "path(s); method regions not measured), plus static inputs and the capture pool; "
+            "apply_manifest's handle.report.memory says what they hold")
 
 
 _SHOWN_REASONS = 8  # reasons an empty plan lists: one screen

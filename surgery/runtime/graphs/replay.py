@@ -20,18 +20,21 @@ The contract, which is what makes that safe:
   *addresses* of the region module's parameters, buffers and tensor attributes, and its children:
   a changed one drops the path's graphs (``load_state_dict`` copies in place and keeps them). Any
   other Python state the region reads is frozen at capture, as in every CUDA graph.
-- **Inputs** are copied into the graph's own buffers. An input the region writes in place is
-  copied back after each replay. Which inputs it writes is found at capture
+- **Inputs** are copied into static buffers just before each replay (buffers shared by every
+  path with an input of that layout: surgery.runtime.graphs.arena), or, when the input is another
+  region's output, read where it is (the graph keeps a view of its own of it, which the owner's
+  held check counts). An input the region writes in place is copied back after each replay. Which inputs it writes is found at capture
   (surgery.runtime.graphs.capture): exactly for normal tensors (their version counters); under
   ``inference_mode``, whose tensors have no version counter, by comparing bytes before and after,
   which misses only a write that left every byte unchanged in both the second call and the capture's
   run.
 - **Autocast** of the region's device is part of the signature, so a head that turns autocast
   off inside an autocast step gets a graph of its own for each state.
-- **Outputs** are copied, inside the graph, into buffers owned by the region path, laid out as
-  the compiled code returned them, so the memory pool that all region graphs share holds only
-  temporaries, and no replay can overwrite another path's outputs. A replay of the *same* path
-  would overwrite them, so before each replay the owned buffers' storage use counts are checked.
+- **Outputs** are copied, inside the graph, into owned output sets, laid out as the compiled
+  code returned them, so the memory pool that all region graphs share holds only temporaries. A
+  path's first set may also be written by other paths' graphs (arena.py: a set nobody holds),
+  and a replay would overwrite what any of them returned, so before each replay the set's
+  storage use counts are checked.
   When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
   v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
   rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
