@@ -232,7 +232,7 @@ def graph_outputs_note(obs: Any, paths: Sequence[str]) -> str:
             "apply_manifest's handle.report.memory says what they hold")
 
 
-_SHOWN_REASONS = 8  # reasons an empty plan lists: one screen
+_SHOWN_REASONS = 6  # reasons an empty plan lists, in its one line (within 1000 characters)
 
 
 def _empty(w: Watched, choice: Choice, source: str) -> EmptyPlanError:
@@ -243,15 +243,16 @@ def _empty(w: Watched, choice: Choice, source: str) -> EmptyPlanError:
             key = reason_class(part)
             counts[key] = counts.get(key, 0) + 1
     ranked = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-    lines = [f"  {n:>5} x {why[:150]}" for why, n in list(ranked.items())[:_SHOWN_REASONS]]
+    # One line (the CLI prints an error as one escaped line): the reasons, most common first.
+    parts = [f"{n} x {why[:110]}" for why, n in list(ranked.items())[:_SHOWN_REASONS]]
     more = len(ranked) - _SHOWN_REASONS
     if more > 0:
-        lines.append(f"  ... and {more} other reason(s)")
+        parts.append(f"and {more} other reason(s)")
     modules = len([p for p in w.obs.classes if p])
     return EmptyPlanError(
         f"the evidence plan of {source} found no region: {modules} module(s), "
-        f"{len(w.obs.calls)} call(s) watched, every one left out. Why, by how many:\n"
-        + "\n".join(lines), reasons=ranked,
+        f"{len(w.obs.calls)} call(s) watched, every one left out; why, by how many modules: "
+        + "; ".join(parts), reasons=ranked,
         hint="run the step as deployed (--steps, --dtype, batch sizes), or name regions "
              "with --include GLOB; `surgery plan --model` alone plans by names")
 
