@@ -99,7 +99,7 @@ def _shape(value: Any, folder: str, key: str, what: str) -> tuple[int, ...]:
 
 
 def _dtype(props: Any, folder: str, key: str) -> str:
-    state = props._state if isinstance(props, Properties) else None
+    state = props.state if isinstance(props, Properties) else None
     dtype = state[0] if isinstance(state, tuple) and state else \
         props.get("dtype") if isinstance(props, Properties) else None
     layout = state[1] if isinstance(state, tuple) and len(state) > 1 else TorchName("torch.strided")

@@ -32,20 +32,23 @@ HINT_REWRITE = ("save it again with torch.distributed.checkpoint.save from the t
 class Record:
     """A DCP dataclass read as data: NEWOBJ/REDUCE arguments and BUILD state, stored only."""
 
+    args: tuple[Any, ...]
+    state: Any  # what BUILD handed over: a dict of fields, or TensorProperties' 5-tuple
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Record:
         obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        obj.__dict__["_state"] = None
+        obj.__dict__["args"] = args
+        obj.__dict__["state"] = None
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def __setstate__(self, state: Any) -> None:
-        self.__dict__["_state"] = state
+        self.__dict__["state"] = state
 
     def get(self, name: str) -> Any:
-        state = self._state
+        state = self.state
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
             state = {**(state[0] or {}), **state[1]}  # (dict state, slot state)
         return state.get(name) if isinstance(state, dict) else None

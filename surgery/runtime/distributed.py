@@ -20,7 +20,9 @@ communicates beyond gathering the reports (torchrun, DDP, ``fully_shard`` and
   sharded model binds to the manifest planned for the unsharded one.
 - **Collectives inside a region** (a tensor-parallel block whose output hook all-reduces) are
   compiled (dynamo traces DTensor and functional collectives) but never captured in a CUDA
-  graph: the rule and its evidence are in surgery.runtime.graphs.collectives.
+  graph: the rule and its evidence are in surgery.runtime.graphs.collectives. It covers the
+  graphs surgery captures (``capture = "region"``, the plan's default); with
+  ``capture = "compiler"`` inductor's cudagraph trees decide what they capture, unchecked here.
 - **Grad modes.** Binding reads the state dict outside inference mode (a DTensor parameter
   cannot be detached inside it), so a tensor-parallel model applies under ``inference_mode``.
   FSDP2 itself fails under ``inference_mode`` (torch 2.13: its unshard preserves version
