@@ -487,3 +487,33 @@ def test_warm_up_in_one_grad_off_mode_and_deploy_in_the_other_says_it_compiles_a
         assert rec.signatures == 2  # the runtime counted the second compile too
     finally:
         handle.restore()
+
+
+@pytest.mark.cuda
+def test_an_evidence_plan_on_the_gpu_times_with_events_and_its_regions_replay() -> None:
+    """On a GPU: the step through model.forward is timed around the step (CUDA events for the
+    modules), planned under no_grad; deployed under inference_mode, its regions replay their
+    graphs with no UnplannedSignatureWarning."""
+    from surgery import apply_manifest
+
+    torch._dynamo.reset()
+    model = Net().cuda().eval()
+    x = X.cuda()
+
+    def step(m: nn.Module) -> None:
+        with torch.no_grad():
+            m.forward(x)
+
+    m = plan_from_step(model, step, steps=3, timed_steps=3)
+    assert m.coverage["clock"] == "cuda-events" and m.coverage["covered_share"] > 0
+    assert m.coverage["covered_share"] >= m.coverage["names_covered_share"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnplannedSignatureWarning)
+        with torch.inference_mode():
+            handle = apply_manifest(model, m, warmup=lambda mm: mm.forward(x))
+            try:
+                for _ in range(3):
+                    model.forward(x)
+                assert sum(r.cuda_graph_replays for r in handle.report) >= 1
+            finally:
+                handle.restore()
