@@ -245,3 +245,18 @@ def test_cli_plan_writes_the_manifest_beside_the_folder(saved: str) -> None:
     assert result.exit_code == 0, result.output
     assert os.path.isfile(saved + ".surgery.toml")
     assert not os.path.exists(os.path.join(saved, ".surgery.toml"))
+
+
+def test_verify_json_of_a_folder_fits_the_output_schema(saved: str) -> None:
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    result = CliRunner().invoke(cli, ["verify", saved, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["format"] == "dcp" and doc["entry"] == "model" and doc["clean"]
+    schema = Path(__file__).resolve().parents[1] / "schemas" / "verify-output.schema.json"
+    jsonschema.validate(doc, json.loads(schema.read_text()),
+                        cls=jsonschema.Draft202012Validator)
