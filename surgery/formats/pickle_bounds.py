@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from surgery.errors import CheckpointError
-from surgery.formats.limits import env_var, limit, over, raise_hint
+from surgery.formats.limits import env_var, limit, over, printable, raise_hint
 
 _MIB = 1024 * 1024
 _SLACK = _MIB  # allocations a tiny file may make regardless of its size
@@ -280,7 +280,19 @@ def check_loaded_tensors(sd: Mapping[Any, Any], *, path: str) -> None:
     """Refuse tensors that have no bytes to export, or far more logical bytes than stored."""
     ratio = limit("EXPAND_RATIO")
     for key, t in sd.items():
-        name = repr(str(key))[:80]
+        name = printable(repr(str(key)), max_chars=80)
+        if type(key) is not str:
+            # str() would make 1 and "1" one tensor without a word.
+            raise CheckpointError(f"{path}: key {name} is a {type(key).__name__}, not a string",
+                                  path=path, hint="a state dict's keys are module paths (str); "
+                                  "re-save it with string keys")
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CheckpointError(f"{path}: key {name} is not valid Unicode (a lone "
+                                      "surrogate)", path=path,
+                                      hint="re-save it with valid key names") from None
         if getattr(t, "is_nested", False) or str(getattr(t, "layout", "")) != "torch.strided":
             what = "nested" if getattr(t, "is_nested", False) else f"{t.layout}"
             raise CheckpointError(f"{path}: tensor {name} is a {what} tensor, which a "

@@ -167,6 +167,13 @@ def parse_header(raw: bytes, *, data_size: int) -> ParsedHeader:
         else:
             shape_t, dtype, (start, end), _ = _entry(name, info)
             entries.append((start, end, name, shape_t, dtype))
+    for _, _, name, _, _ in entries:
+        if not name.isascii():  # JSON can escape a lone surrogate, which is not UTF-8
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HeaderProblem(f"entry {_name(name)} is not valid Unicode (a lone "
+                                    "surrogate); safetensors refuses it") from None
     entries.sort()  # by offset (a name breaks ties between zero-size tensors)
     end = _check_tiling(entries, data_size=data_size)
     return ParsedHeader(entries, metadata, end)

@@ -166,6 +166,8 @@ class PickleSource(TensorSource):
         if t.numel() == 0:
             return
         flat = t.contiguous().reshape(-1)  # a copy only when the tensor is not contiguous
+        if flat.stride(0) != 1:  # torch calls a size-1 tensor of stride 0 contiguous
+            flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
         data = memoryview(flat.view(torch.uint8).numpy()).cast("B")
         for lo in range(0, data.nbytes, CHUNK):
             yield data[lo:lo + CHUNK]

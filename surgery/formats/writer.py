@@ -15,7 +15,7 @@ from surgery.errors import CheckpointError, OutputExistsError, SurgeryError
 from surgery.formats.atomic import AtomicGroup
 from surgery.formats.limits import printable
 from surgery.formats.safe_write import recover, refuse_inputs, write_all
-from surgery.formats.st_header import MAX_HEADER_BYTES
+from surgery.formats.st_header import DTYPE_BITS, MAX_HEADER_BYTES
 from surgery.formats.stream import ProgressFn, TensorSource, itemsize, nbytes
 from surgery.formats.tensors import META_ALIASES, TensorInfo
 
@@ -94,6 +94,11 @@ def safetensors_header(tensors: list[Planned], metadata: Mapping[str, str]
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for p in order:
+        if p.info.dtype not in DTYPE_BITS:  # safetensors (and surgery's reader) would refuse
+            raise SurgeryError(f"tensor {printable(p.name, max_chars=80)} has dtype "
+                               f"{p.info.dtype}, which safetensors cannot store",
+                               hint=f"convert it first (safetensors stores "
+                               f"{', '.join(sorted(DTYPE_BITS))})")
         n = nbytes(p.info)
         header[p.name] = {"dtype": p.info.dtype, "shape": list(p.info.shape),
                           "data_offsets": [offset, offset + n]}

@@ -198,11 +198,28 @@ def resolve_path(model: nn.Module, path: str, *, callable: str) -> tuple[nn.Modu
     return mod, name
 
 
+# Modules of the library base classes a model class inherits its hub and I/O API from
+# (save_pretrained, push_to_hub, from_pretrained, generate ...): a manifest is data and may
+# name a method of the model's own classes, never theirs, which write files or reach the hub.
+LIBRARY_BASE_MODULES: tuple[str, ...] = (
+    "transformers.modeling_utils", "transformers.generation", "transformers.integrations",
+    "transformers.utils", "huggingface_hub", "diffusers.models.modeling_utils",
+    "diffusers.configuration_utils", "diffusers.loaders", "diffusers.utils", "accelerate",
+    "lightning", "pytorch_lightning", "peft",
+)
+
+
+def _library_base(klass: type) -> bool:
+    module = getattr(klass, "__module__", "") or ""
+    return any(module == m or module.startswith(m + ".") for m in LIBRARY_BASE_MODULES)
+
+
 def _own_method(klass: type, name: str) -> object | None:
     """The plain function ``name`` that ``klass`` or a base below nn.Module defines, or None
-    (a staticmethod, classmethod, property or instance attribute is not a method region)."""
+    (a staticmethod, classmethod, property or instance attribute is not a method region, and
+    neither is a method of a library base class: `LIBRARY_BASE_MODULES`)."""
     for base in klass.__mro__:
-        if base in (nn.Module, object):
+        if base in (nn.Module, object) or _library_base(base):
             return None
         if name in vars(base):
             found = vars(base)[name]
@@ -213,7 +230,7 @@ def _own_method(klass: type, name: str) -> object | None:
 def _methods(mod: nn.Module) -> list[str]:
     names: set[str] = set()
     for klass in type(mod).__mro__:
-        if klass in (nn.Module, object):
+        if klass in (nn.Module, object) or _library_base(klass):
             break
         names.update(n for n, v in vars(klass).items()
                      if not n.startswith("_") and inspect.isfunction(v))
