@@ -206,6 +206,9 @@ def test_precompiled_code_runs_without_dynamo_and_matches_eager(site, step, entr
     meta = _save(site, step)
     assert meta["format"] == bundle_parts.FORMAT_PRECOMPILED
     assert bundle_parts.count_entries(meta) == entries
+    seen = bundle.check_beside(load_manifest("net.surgery.toml"))  # what `surgery verify` notes
+    assert seen is not None and seen.state == "fits", seen
+    assert f"{entries} precompiled region artifact(s)" in seen.reason
     ours, report, diff = _deploy(site, step=step)
     assert ours == []
     assert _frames() == 0

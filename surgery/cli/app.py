@@ -208,7 +208,7 @@ def cli() -> None:
       surgery verify model.ckpt               # prove the keys are prefix-free (CI gate)
       surgery export model.ckpt -o clean.safetensors --manifest model.surgery.toml
       surgery export ckpt/step-1000 -o clean.safetensors  # a DCP folder (FSDP2, torchtitan)
-      surgery warm --model pkg.mod:build --manifest model.surgery.toml --input pkg.mod:example
+      surgery warm --model pkg.mod:build --manifest model.surgery.toml --step pkg.mod:step
     Then, in deployment: surgery.apply_manifest(model, "model.surgery.toml", warmup=...)
     """
 

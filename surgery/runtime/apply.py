@@ -188,15 +188,17 @@ def apply_manifest(
     proves them. Warm up with the same grad mode and shapes as inference, or dynamo recompiles
     on the first real call; with ``capture = "region"`` (the plan's default) warm up under
     ``no_grad`` or ``inference_mode``, since region graphs are captured only there (from each
-    path's second call). ``overrides`` is merged over every region's compile options.
+    path's second call, its first with precompiled code). ``overrides`` is merged over every
+    region's compile options.
     ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
     cached after ``restore()`` until ``torch._dynamo.reset()``.
 
     ``cache`` is a compile-cache bundle (``surgery warm`` or ``handle.save_cache()``), or True
     for the one beside the manifest file. It is loaded before anything compiles, only when it
     was built for this manifest, these overrides, this torch / triton / CUDA and this GPU;
-    otherwise one CacheIgnoredWarning says why and the regions compile as usual.
-    ``report.cache`` records which, and how many warm-up compiles hit the caches.
+    otherwise one CacheIgnoredWarning says why and the regions compile as usual. Its
+    precompiled code (format 3, surgery.runtime.precompiled) is installed in the groups and runs
+    without dynamo. ``report.cache`` records which, and how many warm-up compiles hit the caches.
 
     ``max_graph_memory`` (bytes, or ``"2GiB"``) caps what region graphs hold on the device;
     past it, paths run compiled without a graph (surgery.runtime.graph_memory).

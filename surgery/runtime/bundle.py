@@ -34,6 +34,7 @@ from surgery.runtime.bundle_env import ENV_KEYS, environment_without_torch, same
 from surgery.runtime.bundle_parts import (
     FORMAT_PRECOMPILED,
     PrecompiledError,
+    count_entries,
     parse_precompiled,
     split_blob,
 )
@@ -307,6 +308,8 @@ def check_beside(manifest: Manifest) -> BundleCheck | None:
     if why:
         return BundleCheck(path, "mismatch", one_line("; ".join(why)))
     valid_for = f"torch {built.get('torch')} on {built.get('device')}, signature verified"
+    if n := count_entries(meta):
+        valid_for += f", {n} precompiled region artifact(s)"
     if unchecked:
         return BundleCheck(path, "gpu-unchecked", one_line(
             f"valid for {valid_for}; the GPU was not checked (no nvidia-smi, and verify does "

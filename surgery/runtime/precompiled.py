@@ -223,8 +223,8 @@ def precompile_one(group: Any, module: Any, example: Example) -> bytes:
     # it by reference, which a copy with the same qualname fails (torch.nn.Linear.forward), and
     # an AOT compile fills no dynamo cache that the copy would keep apart.
     with torch._dynamo.config.patch(enable_aot_compile=True):
-        compiled = torch.compile(group.target, backend=backend, fullgraph=True,
-                                 dynamic=group.dynamic, **extra)
+        compiled: Any = torch.compile(group.target, backend=backend, fullgraph=True,
+                                      dynamic=group.dynamic, **extra)
     with example.modes():
         args, kwargs = example.build()
         full = (module, *args) if group.bound else args
