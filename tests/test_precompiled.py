@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from surgery.cli import cli
 from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, load_manifest, save_manifest
-from surgery.runtime import bundle, bundle_parts, cache, precompiled
+from surgery.runtime import bundle, bundle_parts, cache, call_example, precompiled
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
@@ -377,7 +377,7 @@ def test_an_example_keeps_layout_and_modes_not_tensors() -> None:
     x = torch.randn(3, 4).t()  # not contiguous, and not an inference tensor
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         y = torch.randn(2)
-        ex = precompiled.Example.of((x, 2, None), {"scale": 0.5, "pair": (y, "s")})
+        ex = call_example.Example.of((x, 2, None), {"scale": 0.5, "pair": (y, "s")})
     assert ex is not None and ex.inference and ex.autocast == (("cpu", torch.bfloat16),)
     with ex.modes():
         (a, n, none), kw = ex.build()
@@ -387,7 +387,7 @@ def test_an_example_keeps_layout_and_modes_not_tensors() -> None:
     assert (a.shape, a.stride(), n, none, kw["scale"], kw["pair"][1]) == \
         (x.shape, x.stride(), 2, None, 0.5, "s")
     assert not any(isinstance(v, torch.Tensor) for v in vars(ex).values())
-    assert precompiled.Example.of((object(),), {}) is None  # not rebuildable: not precompiled
+    assert call_example.Example.of((object(),), {}) is None  # not rebuildable: not precompiled
 
 
 # --- region graphs: the first call captures when nothing compiles in it -------------------------
@@ -511,3 +511,15 @@ def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     with contextlib.suppress(Exception):
         handle.restore()
+
+
+def test_a_groups_identity_does_not_follow_reference_counts() -> None:
+    """marshal marks objects referenced more than once, so its bytes (and a digest of them)
+    change when anything else holds one of the code's constants; the identity must not."""
+    scope: dict = {}
+    exec("def forward(x):\n    return x * 2.75 + len(('unique-constant-7', 3.5))\n", scope)
+    fn = scope["forward"]
+    before = precompiled.group_identity(fn, "opts")
+    keep = list(fn.__code__.co_consts)  # one more reference to each constant
+    assert precompiled.group_identity(fn, "opts") == before
+    assert keep

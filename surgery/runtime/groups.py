@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from surgery.runtime.budget import Signature, call_signature, fresh_function
-from surgery.runtime.precompiled import Artifact, Example, group_identity, signature_text
+from surgery.runtime.call_example import Example
+from surgery.runtime.precompiled import Artifact, group_identity, signature_text
 
 # A slot here is surgery.runtime.slots._Slot, typed Any: slots imports this module, and the
 # import stays one-way.

@@ -17,7 +17,7 @@ No tensor is kept. Other objects, dynamic compiles and backends torch cannot ser
 (cudagraphs, eager) are left to the Mega-Cache part, with a note.
 
 How it is matched. An artifact names its group by identity (the function's module and
-qualname, the sha256 of its code object, the compile options) and its signature by text (repr
+qualname, a sha256 of its code, the compile options) and its signature by text (repr
 of surgery.runtime.budget.call_signature). A group whose identity differs (the code changed since
 the bundle was built) uses none of them and compiles with dynamo; unused artifacts are reported
 stale, in one warning.
@@ -37,17 +37,15 @@ builder's bug becomes an ignored bundle, never an exception in a deployment.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import io
 import json
-import marshal
 import os
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +55,11 @@ from surgery.formats.manifest import Manifest
 from surgery.runtime.bundle import default_bundle_path, one_line
 from surgery.runtime.bundle_parts import PRECOMPILED_FORMAT
 from surgery.runtime.cache import open_bundle
+from surgery.runtime.call_example import Example, modes_of
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
 
 # Backends whose compiled code torch serialises (inductor, and AOTAutograd-based ones).
 SERIALISABLE_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
-_MAX_DEPTH = 4
 
 
 def api_missing() -> str | None:
@@ -82,115 +80,27 @@ def group_identity(target: Callable[..., Any], options: str) -> str | None:
     """
     if not isinstance(target, types.FunctionType):
         return None
-    code = hashlib.sha256(marshal.dumps(target.__code__)).hexdigest()
+    code = hashlib.sha256(_code_text(target.__code__).encode()).hexdigest()
     return json.dumps([target.__module__, target.__qualname__, f"sha256:{code}", options])
+
+
+def _code_text(obj: Any) -> str:
+    """What a code object does, as text that is the same in every process: not ``marshal``,
+    whose output follows reference counts, nor a frozenset's repr, which follows the hash seed."""
+    if isinstance(obj, types.CodeType):
+        return repr((obj.co_code.hex(), obj.co_names, obj.co_varnames, obj.co_freevars,
+                     obj.co_cellvars, obj.co_argcount, obj.co_kwonlyargcount, obj.co_flags,
+                     [_code_text(c) for c in obj.co_consts]))
+    if isinstance(obj, tuple):
+        return "(" + ",".join(_code_text(c) for c in obj) + ")"
+    if isinstance(obj, frozenset):
+        return "frozenset(" + ",".join(sorted(_code_text(c) for c in obj)) + ")"
+    return repr(obj)
 
 
 def signature_text(sig: Any) -> str:
     """The signature as the text an index stores (reprs of shapes, dtypes and flags)."""
     return repr(sig)
-
-
-# --- examples: enough to make a call of the same signature again, without its tensors ---------
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-    inference: bool  # an inference tensor (dynamo guards on it)
-
-
-_NOT_EXAMPLE = object()
-
-
-def _spec(obj: Any, depth: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            return _NOT_EXAMPLE  # sparse, or a subclass whose type dynamo guards on
-        return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
-                           obj.requires_grad, obj.is_inference())
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if depth < _MAX_DEPTH and type(obj) in (tuple, list):
-        items = [_spec(o, depth + 1) for o in obj]
-        return _NOT_EXAMPLE if any(i is _NOT_EXAMPLE for i in items) else type(obj)(items)
-    if depth < _MAX_DEPTH and type(obj) is dict and all(isinstance(k, str) for k in obj):
-        out = {k: _spec(v, depth + 1) for k, v in obj.items()}
-        return _NOT_EXAMPLE if any(v is _NOT_EXAMPLE for v in out.values()) else out
-    return _NOT_EXAMPLE
-
-
-def _build(spec: Any, gen: torch.Generator) -> Any:
-    if isinstance(spec, _TensorSpec):
-        with torch.inference_mode(spec.inference):  # a normal tensor inside inference mode too
-            t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype,
-                                    device=spec.device)
-            if t.is_floating_point() or t.is_complex():
-                t.normal_(generator=gen if t.device.type == "cpu" else None)
-            else:
-                t.zero_()
-        return t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
-    if isinstance(spec, (tuple, list)):
-        return type(spec)(_build(s, gen) for s in spec)
-    if isinstance(spec, dict):
-        return {k: _build(v, gen) for k, v in spec.items()}
-    return spec
-
-
-@dataclass(frozen=True)
-class Example:
-    """A call's layout and modes (no tensor data), to trace the same signature again."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    grad: bool
-    inference: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast on
-
-    @classmethod
-    def of(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Example | None:
-        """The example of this call, or None when it holds something other than tensors,
-        scalars, strings, None and plain containers of them."""
-        a = _spec(tuple(args), 0)
-        k = _spec(dict(kwargs), 0)
-        if a is _NOT_EXAMPLE or k is _NOT_EXAMPLE:
-            return None
-        autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                         if torch.is_autocast_enabled(d))
-        return cls(a, k, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
-
-    def modes(self) -> contextlib.AbstractContextManager[None]:
-        """The grad, inference and autocast modes of the recorded call."""
-        return modes_of(self.mode_record())
-
-    def mode_record(self) -> dict[str, Any]:
-        """The modes as an index entry stores them (surgery.runtime.bundle.ENTRY_FIELDS)."""
-        return {"grad": self.grad, "inference": self.inference,
-                "autocast": [[d, str(t).removeprefix("torch.")] for d, t in self.autocast]}
-
-    def build(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Fresh tensors of the recorded layout (random values: tracing needs no real data).
-        Call inside ``modes()``, so that they are inference tensors when the call's were."""
-        gen = torch.Generator().manual_seed(0)
-        return _build(self.args, gen), _build(self.kwargs, gen)
-
-
-@contextlib.contextmanager
-def modes_of(record: Mapping[str, Any]) -> Iterator[None]:
-    """Enter the modes of an entry (checked by surgery.runtime.bundle: names from fixed lists).
-
-    An artifact is traced under them and must be *loaded* under them too: torch rebuilds its
-    tensor guards, dispatch keys included, from the thread's modes when it loads one.
-    """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(True) if record["inference"]
-                            else torch.set_grad_enabled(record["grad"]))
-        for dev, dtype in record["autocast"]:
-            stack.enter_context(torch.autocast(dev, dtype=getattr(torch, dtype)))
-        yield
 
 
 # --- saving ------------------------------------------------------------------------------------
