@@ -8,6 +8,7 @@ own peak RSS and wall time come back from ``wait4``, for the complexity tests an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +93,17 @@ def assert_refused(r: Capped, *, names: str) -> str:
     assert names in r.stderr, r.stderr[-2000:]
     assert len(line) < 1000, len(line)
     return line
+
+
+@contextlib.contextmanager
+def case_bounds(*, max_s: float = 2.0, max_growth: int = 256 << 20) -> Iterator[None]:
+    """One fuzz case's bounds: at most `max_s` seconds, and at most `max_growth` bytes added to
+    the process's peak RSS. Cheap enough for a thousand cases (no tracemalloc): the peak only
+    shows a case that goes past every earlier one, which is what a blow-up does."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    yield
+    took = time.perf_counter() - t0
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert took < max_s, f"one case took {took:.2f} s (bound {max_s} s)"
+    assert grew < max_growth, f"one case raised peak memory by {grew >> 20} MB"

@@ -44,9 +44,9 @@ def test_a_blob_beyond_the_limit_is_refused_before_any_read(tmp_path: Path, monk
     f = tmp_path / "big.surgery.cache"
     _forged(f, 3 << 20)
     monkeypatch.setenv("SURGERY_MAX_BUNDLE_BYTES", str(1 << 20))
-    with mock.patch.object(bundle, "file_mac_matches", side_effect=AssertionError("MAC run")):
-        with pytest.raises(CacheBundleError, match="SURGERY_MAX_BUNDLE_BYTES") as info:
-            bundle.read_bundle(str(f), key=KEY)
+    with mock.patch.object(bundle, "file_mac_matches", side_effect=AssertionError("MAC run")), \
+            pytest.raises(CacheBundleError, match="SURGERY_MAX_BUNDLE_BYTES") as info:
+        bundle.read_bundle(str(f), key=KEY)
     assert "SURGERY_MAX_BUNDLE_BYTES=" in (info.value.hint or "")
     monkeypatch.delenv("SURGERY_MAX_BUNDLE_BYTES")
     with pytest.raises(CacheSignatureError, match="does not verify"):  # under it: the MAC says
@@ -58,9 +58,9 @@ def test_a_length_that_does_not_match_the_file_is_refused_without_a_mac(tmp_path
     _forged(f, 1 << 20)
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size - 1)
-    with mock.patch.object(bundle, "file_mac_matches", side_effect=AssertionError("MAC run")):
-        with pytest.raises(CacheBundleError, match="truncated"):
-            bundle.read_bundle(str(f), key=KEY)
+    with mock.patch.object(bundle, "file_mac_matches", side_effect=AssertionError("MAC run")), \
+            pytest.raises(CacheBundleError, match="truncated"):
+        bundle.read_bundle(str(f), key=KEY)
 
 
 def test_bytes_changed_after_the_streamed_mac_are_refused(tmp_path: Path) -> None:
@@ -68,6 +68,6 @@ def test_bytes_changed_after_the_streamed_mac_are_refused(tmp_path: Path) -> Non
     file swapped between the two reads is refused (here the first check is made to pass)."""
     f = tmp_path / "swapped.surgery.cache"
     _forged(f, 64)
-    with mock.patch.object(bundle, "file_mac_matches", return_value=True):
-        with pytest.raises(CacheSignatureError, match="changed while it was read"):
-            bundle.read_bundle(str(f), key=KEY)
+    with mock.patch.object(bundle, "file_mac_matches", return_value=True), \
+            pytest.raises(CacheSignatureError, match="changed while it was read"):
+        bundle.read_bundle(str(f), key=KEY)

@@ -40,6 +40,7 @@ from surgery.runtime.apply import apply_manifest
 from surgery.runtime.artifacts import ArtifactError, key_problem, read_artifacts
 from surgery.runtime.bundle_env import environment_without_torch, same_torch
 from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
+from tests.capped import case_bounds
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 ATTACKER_KEY = bytes(range(32))
@@ -299,7 +300,8 @@ def test_fuzz_any_bytes_are_ignored_with_a_reason(env_key, data: bytes) -> None:
         path = os.path.join(d, "x.surgery.cache")
         with open(path, "wb") as f:
             f.write(data)
-        _check_ignored(path)
+        with case_bounds(max_s=1.0):
+            _check_ignored(path)
 
 
 @settings(max_examples=1000, deadline=None,
@@ -320,7 +322,8 @@ def test_fuzz_signed_garbage_is_ignored_with_a_reason(env_key, meta: bytes, body
         for blob in (body, framed):
             path = Path(d) / "x.surgery.cache"
             _raw_bundle(path, meta, blob, key=KEY)
-            _check_ignored(str(path))
+            with case_bounds(max_s=1.0):
+                _check_ignored(str(path))
 
 
 @settings(max_examples=1000, deadline=None)
@@ -329,12 +332,13 @@ def test_fuzz_artifact_framing_raises_only_artifact_error(body: bytes) -> None:
     import zlib
 
     blob = zlib.crc32(body).to_bytes(4, "big") + body  # a valid crc, so parsing goes deeper
-    try:
-        found = read_artifacts(blob)
-    except ArtifactError as e:
-        assert "\n" not in str(e)
-    else:
-        assert all(key_problem(k) is None for keys in found.values() for k in keys)
+    with case_bounds(max_s=1.0):
+        try:
+            found = read_artifacts(blob)
+        except ArtifactError as e:
+            assert "\n" not in str(e)
+        else:
+            assert all(key_problem(k) is None for keys in found.values() for k in keys)
 
 
 # --- surgery verify: unsigned, does not verify, no key -- never "fits" ------------------------

@@ -32,6 +32,7 @@ from surgery.errors import CheckpointError, ManifestError, SurgeryError, UnsafeC
 from surgery.formats.checkpoint import read_checkpoint, read_index
 from surgery.formats.manifest import Manifest, Region, dumps_manifest, parse_manifest
 from surgery.formats.st_file import read_safetensors_layout
+from tests.capped import case_bounds
 
 FUZZ = settings(max_examples=1000, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -431,10 +432,11 @@ def test_fuzz_safetensors_header(tmp_path, raw, edits, length, pad) -> None:
          "zero": 0}[length]
     path = tmp_path / "f.safetensors"
     path.write_bytes(struct.pack("<Q", n) + raw + bytes(pad))
-    try:
-        read_safetensors_layout(str(path))
-    except CheckpointError as e:
-        assert_one_line(e)
+    with case_bounds(max_s=1.0):
+        try:
+            read_safetensors_layout(str(path))
+        except CheckpointError as e:
+            assert_one_line(e)
 
 
 SHARDS = st.sampled_from(["a.safetensors", "../a.safetensors", "/a.safetensors",
@@ -450,16 +452,18 @@ def test_fuzz_index(tmp_path, doc, edits) -> None:
     path.write_bytes(_mutate(json.dumps(doc).encode(), edits))
     if not (tmp_path / "a.safetensors").exists():
         write_st(tmp_path / "a.safetensors", {"a": T()}, ONE)
-    try:
-        read_checkpoint(str(path))
-    except CheckpointError as e:
-        assert_one_line(e)
+    with case_bounds(max_s=1.0):
+        try:
+            read_checkpoint(str(path))
+        except CheckpointError as e:
+            assert_one_line(e)
 
 
 _VALID_MANIFEST = dumps_manifest(_manifest(3)).encode()
 TOML_TOKENS = st.lists(st.sampled_from([
     "[", "]", "{", "}", "[[region]]", "=", "a", "paths", '"x"', "'y'", "1", "9" * 30, "nan",
-    "inf", ",", "\n", " ", "#", '"""', "true", "1979-05-27"]), max_size=40).map("".join)
+    "inf", ",", "\n", " ", "#", '"""', "true", "1979-05-27", ".",
+    "a.a.a.a.a.a.a.a.a", "[a.b.c]", "'" * 3]), max_size=40).map("".join)
 FIELDS = st.sampled_from(["schema_version", "model", "compile", "warmup", "region",
                           "left_out", "extra"])
 
@@ -481,10 +485,11 @@ def test_fuzz_manifest_loader(kind, edits, tokens, field, value) -> None:
             return  # tomli-w cannot write this value; the mutated and token cases cover text
     else:
         text = _mutate(_VALID_MANIFEST, edits).decode("utf-8", errors="replace")
-    try:
-        parse_manifest(text, path="m.toml")
-    except ManifestError as e:
-        assert_one_line(e)
+    with case_bounds(max_s=1.0):  # issue 22: time and peak memory per case are bounded too
+        try:
+            parse_manifest(text, path="m.toml")
+        except ManifestError as e:
+            assert_one_line(e)
 
 
 # --- malicious pickles -------------------------------------------------------------------------
