@@ -1,14 +1,14 @@
 """What region graphs' buffers hold, counted on the CPU: the SDPA example at LingBot depth (24
-blocks of each kind, 378x518 frames, 999 tokens) but a narrow width, through apply_manifest with
-tests/test_graphs.py's faithful fake graph (a replay reruns the captured work against the same
-buffers), under each of issue 20's sharing policies.
+blocks of each kind; 378x518 frames, 999 tokens, by default) but a narrow width, through
+apply_manifest with tests/test_graphs.py's faithful fake graph (a replay reruns the captured
+work against the same buffers), under each of issue 20's sharing policies.
 
 Why on the CPU: output sets and static input buffers are plain allocations whose count and
 layout do not depend on the device, so their bytes are exact here; only the capture pool (CUDA
 temporaries) needs the GPU (benchmarks/gpu_memory.py). Their size is linear in the width: at
 dim 1024 each buffer is 1024/dim times larger (the depth head's float32 maps excepted).
 
-    python benchmarks/bench_graph_buffers.py [--dim 64] [--frames 6]
+    python benchmarks/bench_graph_buffers.py [--dim 64] [--frames 4] [--size 378x518]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 POLICIES = {"before": (False, False), "outputs": (True, False), "all": (True, True)}
 
 
-def count(dim: int, frames: int, policy: str) -> dict[str, Any]:
+def count(dim: int, frames: int, policy: str, hw: tuple[int, int]) -> dict[str, Any]:
     import torch
 
     from surgery.examples.sdpa import SdpaConfig, SdpaExampleModel
@@ -35,7 +35,7 @@ def count(dim: int, frames: int, policy: str) -> dict[str, Any]:
     from surgery.runtime.graphs import arena
     from tests.test_graphs import FakeCapturer
 
-    cfg = SdpaConfig(dim=dim, depth=24, heads=4, height=378, width=518, head_features=16,
+    cfg = SdpaConfig(dim=dim, depth=24, heads=4, height=hw[0], width=hw[1], head_features=16,
                      camera_depth=4)
     torch.manual_seed(0)
     model = SdpaExampleModel(cfg).eval()
@@ -75,9 +75,12 @@ def apply_manifest_quiet(apply_mod: Any, model: Any, manifest: Any, x: Any) -> A
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--frames", type=int, default=6)
+    ap.add_argument("--frames", type=int, default=4)
+    ap.add_argument("--size", default="378x518", help="frame height x width (378x518: 999 "
+                    "tokens, as LingBot; smaller is quicker on a busy CPU)")
     args = ap.parse_args()
-    rows = [count(args.dim, args.frames, p) for p in POLICIES]
+    h, w = (int(v) for v in args.size.split("x"))
+    rows = [count(args.dim, args.frames, p, (h, w)) for p in POLICIES]
     print("| policy | paths | output sets | outputs MiB | static inputs MiB | shared uses | "
           "graphs captured | replays |")
     print("|---|---|---|---|---|---|---|---|")

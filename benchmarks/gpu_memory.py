@@ -294,7 +294,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"surgery variants, comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--whole", action="store_true", help="with --model: the whole-model arm")
-    ap.add_argument("--whole-timeout", type=int, default=45,
+    ap.add_argument("--whole-timeout", type=int, default=60,
                     help="seconds for each whole-model arm (0: skip it)")
     ap.add_argument("--timeout", type=int, default=200, help="per model, seconds")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run)")

@@ -107,6 +107,8 @@ class CudaCapturer:
             segments = torch.cuda.memory_snapshot()
         except Exception:  # the snapshot's layout is private; its absence costs only this figure
             return None
+        if not any("segment_pool_id" in seg for seg in segments):
+            return None  # a torch whose snapshot does not name pools: the growth sum stands
         want = tuple(self._pool)
         return sum(int(seg.get("total_size", 0)) for seg in segments
                    if tuple(seg.get("segment_pool_id", ())) == want)
