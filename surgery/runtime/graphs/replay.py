@@ -23,11 +23,11 @@ The contract, which is what makes that safe:
 - **Inputs** are copied into static buffers just before each replay (buffers shared by every
   path with an input of that layout: surgery.runtime.graphs.arena), or, when the input is another
   region's output, read where it is (the graph keeps a view of its own of it, which the owner's
-  held check counts). An input the region writes in place is copied back after each replay. Which inputs it writes is found at capture
-  (surgery.runtime.graphs.capture): exactly for normal tensors (their version counters); under
-  ``inference_mode``, whose tensors have no version counter, by comparing bytes before and after,
-  which misses only a write that left every byte unchanged in both the second call and the capture's
-  run.
+  held check counts). An input the region writes in place is copied back after each replay.
+  Which inputs it writes is found at capture (surgery.runtime.graphs.capture): exactly for
+  normal tensors (their version counters); under ``inference_mode``, whose tensors have no
+  version counter, by comparing bytes before and after, which misses only a write that left
+  every byte unchanged in both the second call and the capture's run.
 - **Autocast** of the region's device is part of the signature, so a head that turns autocast
   off inside an autocast step gets a graph of its own for each state.
 - **Outputs** are copied, inside the graph, into owned output sets, laid out as the compiled
