@@ -4,6 +4,7 @@ apply_manifest runs with no code from the user."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 from surgery.cli import cli
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
 from surgery.planning.plan import plan_model
+from surgery.planning.streaming import INDEXED_GRAPHS_PER_INSTANCE
 from surgery.runtime.apply import apply_manifest
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -30,20 +32,26 @@ def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> No
     result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
     m = _round_trip(result.manifest)
     pw = [r for r in m.regions if r.kind == PIECEWISE_KIND]
-    assert len(pw) == 1 and pw[0].paths == ["aggregator.global_blocks.0",
+    assert len(pw) == 2 and pw[0].paths == ["aggregator.global_blocks.0",
                                             "aggregator.global_blocks.1"]
     assert pw[0].piecewise == {"split_ops": ["scaled_dot_product_attention"],
                                "dynamic": ["self.attn.kv_cache"]}
+    assert pw[0].compile == {}  # one set of graphs shared by the instances: the default budget
+    # the camera trunk takes a per-instance index: 2 instances fit the budget, each its own
+    # graphs, with the per-instance budget on the region
+    assert pw[1].paths == ["camera_head.trunk.0", "camera_head.trunk.1"]
+    assert pw[1].piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                               "dynamic": ["cache"]}
+    assert pw[1].compile == {"max_signatures": INDEXED_GRAPHS_PER_INSTANCE}
     paths = [p for r in m.regions for p in r.paths]
-    assert not any(p.startswith("aggregator.global_blocks.") and p.count(".") > 2
-                   for p in paths)  # attn.proj is inside the block now
+    assert not any(p.startswith(("aggregator.global_blocks.", "camera_head.trunk."))
+                   and p.count(".") > 2 for p in paths)  # attn.proj, mlp are inside now
     left = {lo.path: lo.reason for lo in m.left_out}
     assert "inside piecewise region aggregator.global_blocks.0" in \
         left["aggregator.global_blocks.0.attn.proj"]
-    # the camera trunk takes a per-instance index: today's treatment, with why
-    assert "not piecewise: its forward takes a per-instance index 'global_idx'" in \
-        left["camera_head.trunk.0"]
-    assert "piecewise" in result.notes[-1]
+    assert "inside piecewise region camera_head.trunk.1" in left["camera_head.trunk.1.mlp"]
+    assert "camera_head.trunk.0" not in left
+    assert "4 streaming block(s) planned piecewise" in result.notes[-1]
 
     from surgery.examples import tiny_sdpa
 
@@ -60,9 +68,64 @@ def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> No
             got, want = model(x), ref(x)
             for k in want:
                 torch.testing.assert_close(got[k], want[k])
-    for p in pw[0].paths:
+    for p in pw[0].paths + pw[1].paths:
         rec = handle.report.by_path(p)
         assert rec.status == "compiled" and rec.pieces == 2, rec.reason
+
+
+def test_indexed_camera_trunk_streams_6_frames_as_eager_and_stops_compiling_when_full() -> None:
+    """The camera trunk (cache[global_idx]) planned piecewise: each instance traces its own
+    graphs (one per list length, dynamo specializing the index), outputs match eager over 6
+    frames, the cache grows as in eager, and once the window is full nothing recompiles."""
+    from surgery.examples.sdpa import TINY_SDPA, SdpaExampleModel
+
+    result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
+    m = _round_trip(result.manifest)
+    m.fingerprint = result.manifest.fingerprint
+    m.regions = [r for r in m.regions if r.paths[0].startswith("camera_head.trunk.")]
+    assert len(m.regions) == 1 and m.regions[0].kind == PIECEWISE_KIND
+    torch.manual_seed(0)
+    model = SdpaExampleModel(dataclasses.replace(TINY_SDPA, camera_window=3)).eval()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, m, overrides=ON_CPU)
+    paths = m.regions[0].paths
+    compiles = []
+    with torch.no_grad():
+        for s in range(6):
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k])
+            for slot, ref_slot in zip(model.camera_head.kv_cache, ref.camera_head.kv_cache,
+                                      strict=True):
+                assert len(slot) == len(ref_slot) == min(s + 1, 3)
+                torch.testing.assert_close(torch.cat(slot, 3), torch.cat(ref_slot, 3))
+            compiles.append([handle.report.by_path(p).compiles for p in paths])
+    for p in paths:
+        rec = handle.report.by_path(p)
+        assert rec.status == "compiled" and rec.compiled_calls == 6, rec.reason
+    # one graph per list length for each instance (lengths 1 to 3, then 4: the append before
+    # the pop), then none while the window slides
+    assert compiles[:4] == [[1, 1], [2, 2], [3, 3], [4, 4]] and compiles[5] == [4, 4], compiles
+
+
+def test_indexed_blocks_over_the_budget_keep_their_treatment_with_the_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import surgery.planning.streaming as streaming
+
+    monkeypatch.setattr(streaming, "INDEXED_GRAPH_BUDGET", INDEXED_GRAPHS_PER_INSTANCE)
+    result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
+    m = result.manifest
+    assert [r.paths[0] for r in m.regions if r.kind == PIECEWISE_KIND] == \
+        ["aggregator.global_blocks.0"]
+    left = {lo.path: lo.reason for lo in m.left_out}
+    assert ("not piecewise: its forward takes a per-instance index 'global_idx', so each "
+            f"instance would trace graphs of its own: 2 instances x "
+            f"{INDEXED_GRAPHS_PER_INSTANCE} graphs") in left["camera_head.trunk.0"]
+    assert any(r.kind == "fixed_part" and "camera_head.trunk.0.mlp" in r.paths
+               for r in m.regions)  # today's treatment: its fixed children stay regions
 
 
 def test_names_plan_of_gpt2_locates_its_cache_and_generates_the_same_tokens() -> None:

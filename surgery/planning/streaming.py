@@ -12,9 +12,20 @@ attribute in every step, becomes one piecewise region when its cache can be loca
   example's ``attn.kv_cache``), recorded without a dim (``"self.attn.kv_cache"``): a list cache
   grows in length, not in a tensor dim, and the cache's tensors mark the split points only.
 
+Per-instance index. A block whose forward takes a per-instance int (the SDPA example's camera
+trunk: ``cache[global_idx]`` is its slot) traces graphs of its own per instance: dynamo
+specializes the int (it indexes a Python list), so its guards pick the instance's graphs, all in
+the group's one code object. The runtime supports that as is: each path counts its own
+compiles against its own budget, and the group raises dynamo's recompile limit to the sum of
+the paths' budgets (surgery.runtime.piecewise). So such a block is planned piecewise when its
+group's instances x ``INDEXED_GRAPHS_PER_INSTANCE`` stay within ``INDEXED_GRAPH_BUDGET``, with
+``max_signatures`` set to the per-instance figure (a list cache compiles once per length until
+its window is full; a window longer than that demotes the path at run time, with the reason).
+Past the budget it keeps today's treatment, with the figures in its reason.
+
 Which blocks keep today's treatment, with the reason added under ``[[left_out]]``: a block whose
-forward takes a per-instance index (``global_idx``: each instance would trace its own graphs),
-and a block whose cache cannot be located. Regions inside a block that becomes piecewise (its
+forward takes a per-instance index in a group too large for the budget, and a block whose cache
+cannot be located. Regions inside a block that becomes piecewise (its
 ``fixed_part``/``attn_proj`` children, evidence regions) are dropped: no region lies inside
 another; the block's region covers them.
 
@@ -47,6 +58,13 @@ _ATTR_DEPTH = 3
 # (surgery.planning.evidence: Python state changed, or the ops inside changed with the same
 # arguments).
 _STREAMING_SIGNS = ("streaming block", "changed its attribute", "state kept between calls")
+# Graphs one instance of a block with a per-instance index may compile (its region's
+# max_signatures): a list cache changes the graph's structure once per length until its window
+# is full (the SDPA example's camera trunk keeps 16 frames), plus room.
+INDEXED_GRAPHS_PER_INSTANCE = 20
+# Graphs all instances of one such group may compile together (one code object; the runtime's
+# recompile limit for a piecewise group is at most 256).
+INDEXED_GRAPH_BUDGET = 128
 
 
 def cache_sources(block: Any, view: ModelView, path: str) -> list[str]:
@@ -67,14 +85,26 @@ def cache_sources(block: Any, view: ModelView, path: str) -> list[str]:
     return out
 
 
-def _why_not(view: ModelView, path: str, sources: Sequence[str]) -> str | None:
-    for arg in view.modules[path].forward_args or ():
-        if is_index_arg(arg):
-            return (f"not piecewise: its forward takes a per-instance index {arg.name!r}, so "
-                    "each instance would trace graphs of its own")
+def _why_not(sources: Sequence[str]) -> str | None:
     if not sources:
         return "not piecewise: no cache argument or cache attribute was found to split at"
     return None
+
+
+def index_arg(view: ModelView, path: str) -> str | None:
+    """The name of the block's per-instance int argument (``global_idx``), if it takes one."""
+    return next((a.name for a in view.modules[path].forward_args or () if is_index_arg(a)), None)
+
+
+def _over_budget(index: str, instances: int) -> str | None:
+    """Why a group of blocks with a per-instance index is too large to trace per instance."""
+    graphs = instances * INDEXED_GRAPHS_PER_INSTANCE
+    if graphs <= INDEXED_GRAPH_BUDGET:
+        return None
+    return (f"not piecewise: its forward takes a per-instance index {index!r}, so each instance "
+            f"would trace graphs of its own: {instances} instances x "
+            f"{INDEXED_GRAPHS_PER_INSTANCE} graphs = {graphs}, over the budget of "
+            f"{INDEXED_GRAPH_BUDGET}")
 
 
 def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
@@ -100,11 +130,22 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
         except AttributeError:
             continue
         sources = cache_sources(block, view, path)
-        why = _why_not(view, path, sources)
+        why = _why_not(sources)
         if why is not None:
             kept[path] = why
             continue
         groups.setdefault((view.modules[path].cls, tuple(sources)), []).append(path)
+    indexed: set[tuple[str | None, tuple[str, ...]]] = set()
+    for key, paths in list(groups.items()):
+        index = index_arg(view, paths[0])
+        if index is None:
+            continue
+        why = _over_budget(index, len(paths))
+        if why is not None:
+            kept.update(dict.fromkeys(paths, why))
+            del groups[key]
+        else:
+            indexed.add(key)
     chosen = {p for paths in groups.values() for p in paths}
     inside = [r for r in manifest.regions
               if any(_within(_owner(r, p), b) for p in r.paths for b in chosen)]
@@ -124,9 +165,12 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
             lo.reason = f"{lo.reason}; {kept[lo.path]}"
     for (cls, found), paths in groups.items():
         params = sum(view.numel(p) for p in paths)
+        # an indexed group: each instance compiles its own graphs, within its own budget
+        budget = {"max_signatures": INDEXED_GRAPHS_PER_INSTANCE} if (cls, found) in indexed \
+            else {}
         manifest.regions.append(Region(
             kind=PIECEWISE_KIND, paths=sorted(paths, key=natural_key), module_class=cls,
-            parameters=params,
+            parameters=params, compile=budget,
             piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(found)}))
     manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
     if chosen:
