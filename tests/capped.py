@@ -9,6 +9,7 @@ own peak RSS and wall time come back from ``wait4``, for the complexity tests an
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import subprocess
@@ -21,10 +22,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Python + torch + surgery reserve ~0.7 GB of address space before reading a byte; the blow-ups
-# these tests guard against take 2 GB and more.
-DEFAULT_CAP = 1_600_000_000
+# Python + torch + surgery reserve address space before reading a byte, and how much depends on
+# the torch build: ~0.64 GB for torch 2.13 CPU, ~3.3 GB for torch 2.14.1+cu130 (its CUDA
+# libraries are mapped at import, GPU or not). A fixed cap either refuses the import itself
+# (ImportError: failed to map segment) or lets the blow-ups through, so the default cap is that
+# measured baseline plus HEADROOM: what a bounded command may allocate on top. The blow-ups these
+# tests guard against ask for 2 GB and more, above the headroom.
+HEADROOM = 1_000_000_000
 DEFAULT_TIMEOUT = 60.0
+
+
+@functools.cache
+def import_baseline() -> int:
+    """Address space (VmPeak, bytes) of this interpreter after importing torch and surgery.cli."""
+    code = ("import torch, surgery.cli\n"
+            "print(next(int(ln.split()[1]) for ln in open('/proc/self/status')"
+            " if ln.startswith('VmPeak:')) * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=DEFAULT_TIMEOUT,
+                         check=True)
+    return int(out.stdout.split()[-1])
+
+
+def default_cap() -> int:
+    """The cap a capped command runs under unless told: the import baseline plus HEADROOM."""
+    return import_baseline() + HEADROOM
 
 
 @dataclass
@@ -44,13 +66,15 @@ class Capped:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("error: ")]
 
 
-def run_capped(argv: list[str], *, cap: int = DEFAULT_CAP, timeout: float = DEFAULT_TIMEOUT,
+def run_capped(argv: list[str], *, cap: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
                stdin: bytes | None = None) -> Capped:
-    """`python ARGV...` (e.g. ``["-m", "surgery", "verify", f]``) under RLIMIT_AS = `cap`."""
+    """`python ARGV...` (e.g. ``["-m", "surgery", "verify", f]``) under RLIMIT_AS = `cap`
+    (bytes of address space; default_cap() when None)."""
+    as_limit = default_cap() if cap is None else cap
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
 
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with tempfile.TemporaryFile() as fi, tempfile.TemporaryFile() as fo, \

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from surgery.formats.pickle_bounds import check_pickle_file, scan_pickle
-from tests.capped import assert_refused, surgery_capped
+from tests.capped import HEADROOM, assert_refused, surgery_capped
 
-BIG = 2_300_000_000  # what each crafted file asks for: above the 1.6 GB cap of the child
+BIG = 2_300_000_000  # what each crafted file asks for: above the child's HEADROOM (1 GB)
 
 
 def _long1(n: int) -> bytes:
@@ -51,6 +51,7 @@ def test_allocating_pickles_are_refused(tmp_path: Path) -> None:
     bad.write_bytes(raw[:i] + b"J" + struct.pack("<i", 600_000_000) + raw[i + 2:])
     files.append(bad)
     assert all(f.stat().st_size < 1000 for f in files)
+    assert min(BIG, 600_000_000 * 4) > HEADROOM  # unbounded, each would pass the cap
     r = surgery_capped("verify", *map(str, files))  # one process verifies every file
     assert r.rc == 3, r.output
     assert "Traceback" not in r.output

@@ -288,16 +288,19 @@ def test_children_and_subtrees_come_from_an_index_kept_current() -> None:
 
 
 @pytest.mark.parametrize(
-    "key",
+    ("key", "limit"),
     [
-        pytest.param(".".join(["a"] * 300) + ".weight", id="too-deep"),
-        pytest.param("a." + "x" * 5000, id="too-long"),
+        pytest.param(".".join(["a"] * 300) + ".weight", "SURGERY_MAX_KEY_PARTS", id="too-deep"),
+        pytest.param("a." + "x" * 5000, "SURGERY_MAX_KEY_CHARS", id="too-long"),
     ],
 )
-def test_absurd_keys_are_refused_in_one_line(key: str) -> None:
-    # Every key prefix becomes a module path: one key of depth d and length L costs d*L.
-    from surgery.errors import CheckpointError
+def test_absurd_keys_are_refused_in_one_line(key: str, limit: str) -> None:
+    # Every key prefix becomes a module path: one key of depth d and length L costs d*L. The
+    # view holds keys to the resource contract of surgery.formats.keys.module_paths (issue 22).
+    from surgery.errors import EXIT_CANNOT_RUN
+    from surgery.formats.keys import KeyLimitError
 
-    with pytest.raises(CheckpointError, match="limits") as e:
+    with pytest.raises(KeyLimitError, match=limit) as e:
         _view({key: (1,)})
-    assert "\n" not in e.value.message
+    assert "\n" not in e.value.message and len(e.value.message) < 200
+    assert limit in (e.value.hint or "") and e.value.exit_code == EXIT_CANNOT_RUN
