@@ -70,7 +70,10 @@ def bench_model() -> Any:
     if name == "sdpa":
         from surgery.examples import lingbot_sdpa, tiny_sdpa
 
-        model = tiny_sdpa() if tiny else lingbot_sdpa()
+        # LingBot-Map's SDPA build keeps float32 weights and runs each step under bf16
+        # autocast (its depth head turns autocast off and needs float32 weights): the dtype
+        # picks the autocast, not the weights (see _frames_for).
+        return tiny_sdpa() if tiny else lingbot_sdpa()
     else:
         os.environ["ZOO_SIZE"] = "tiny" if tiny else ""
         import gpu_zoo
@@ -89,14 +92,19 @@ def _frames_for(name: str, model: Any, device: str) -> tuple[Callable[[], Any],
     if name == "sdpa":
         seeds = iter(range(1000, 10**6))
         span = max(model.config.window, getattr(model.config, "camera_window", 0)) + 1
+        bf16 = os.environ.get("WARM_START_DTYPE", "bf16") == "bf16"
+
+        def call(seed: int) -> Any:
+            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+                return model(model.example_input(seed=seed))
 
         def frame() -> Any:
-            return model(model.example_input(seed=next(seeds)))
+            return call(next(seeds))
 
         def reference() -> Any:
             out = None
             for i in range(span):
-                out = model(model.example_input(seed=50_000 + i))
+                out = call(50_000 + i)
             return out
 
         return frame, reference
