@@ -86,7 +86,11 @@ def test_tensor_parallel_blocks_compile_with_their_collectives(
     _applied_like_eager(got)
     for g in got:
         eager, applied = g["collectives"]
-        assert applied == eager > 0  # the row-wise all-reduce runs inside the compiled block
+        # The row-wise all-reduce runs inside each compiled block: one per block (two blocks).
+        # Eager DTensor's own plan is not the yardstick: under inference_mode torch 2.14 turns
+        # each block's Partial -> Replicate into three all-gathers on gloo (its alltoall
+        # fallback; 6 for the two blocks), torch 2.13 into one all-reduce (2).
+        assert applied == len(g["paths"]) == 2 and eager >= applied, (eager, applied)
 
 
 @pytest.mark.slow  # one spawn of 2 ranks for all five: ~100 s on 2 cores
