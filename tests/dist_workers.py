@@ -262,12 +262,15 @@ def cuda_case(rank: int, kind: str, manifest_text: str, device: str = "cuda"
     if kind == "ddp":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
             model, device_ids=[rank] if cuda else None)
-    elif kind == "fsdp2":
+    elif kind in ("fsdp2", "fsdp2-reshard"):
         from torch.distributed.fsdp import fully_shard
 
+        # "fsdp2": each block stays unsharded after its forward (the inference setting), so its
+        # parameters keep their addresses; "fsdp2-reshard" (fully_shard's default below the
+        # root) frees them after each forward and re-gathers them into new memory.
         mesh = init_device_mesh(device, (world,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=kind == "fsdp2-reshard")
         wrapped = fully_shard(model, mesh=mesh)
     else:
         from torch.distributed.tensor.parallel import (
@@ -284,10 +287,10 @@ def cuda_case(rank: int, kind: str, manifest_text: str, device: str = "cuda"
     keys = list(wrapped.state_dict())
     # FSDP2 fails under inference_mode (torch 2.13: its unshard keeps version counters, which
     # inference tensors lack), so it runs under no_grad, where region graphs capture too.
-    with torch.no_grad() if kind == "fsdp2" else torch.inference_mode():
+    with torch.no_grad() if kind.startswith("fsdp2") else torch.inference_mode():
         handle = apply_manifest(wrapped, manifest, warmup=lambda m: m(x),
                                 overrides=None if cuda else CPU_OVERRIDES)
-        outs = [wrapped(x).float() for _ in range(3)]
+        outs = [wrapped(x).float() for _ in range(6)]
     if cuda:
         torch.cuda.synchronize()
     gathered = handle.report.gather()

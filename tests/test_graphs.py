@@ -277,6 +277,33 @@ def test_moved_or_replaced_parameters_drop_the_graphs() -> None:
         assert any("changed since capture" in n for n in g.notes)
 
 
+def test_parameters_that_move_every_call_stop_the_captures_with_the_reason() -> None:
+    """FSDP2's reshard/unshard, as the region sees it: before each call the same Parameter
+    object gets its data in newly allocated memory. Each move drops the graphs (a replay would
+    read the old address); after MAX_STATE_MOVES the path runs compiled, uncaptured, and says
+    why; parameters that stay in place keep replaying."""
+    from surgery.runtime.graphs.replay import MAX_STATE_MOVES, STATE_MOVES_REASON
+
+    lin = nn.Linear(4, 3)
+    g, calls, _, _ = graphs_for(lin)
+    x = torch.randn(2, 4)
+    keep = []  # old storages held, so the new ones cannot reuse their addresses
+    with torch.no_grad():
+        for i in range(4 * MAX_STATE_MOVES + 4):
+            keep.append(lin.weight.data)
+            lin.weight.data = torch.full((3, 4), float(i))  # "unshard": new memory, same object
+            torch.testing.assert_close(g((x,), {}, calls), lin(x))
+    assert g.disabled == STATE_MOVES_REASON and STATE_MOVES_REASON in g.notes
+    assert g.captures == MAX_STATE_MOVES and g.replays == 0 and not g.graphs
+    assert "reshard_after_forward=False" in STATE_MOVES_REASON
+    # In place (reshard_after_forward=False): one capture, then replays.
+    g2, calls2, _, _ = graphs_for(lin)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(g2((x,), {}, calls2), lin(x))
+    assert (g2.captures, g2.replays, g2.disabled) == (1, 4, "")
+
+
 @pytest.mark.parametrize("change", ["dict-assignment", "data-assignment", "new-child",
                                     "none-to-tensor"])
 def test_every_way_of_moving_a_tensor_drops_the_graphs(change: str) -> None:

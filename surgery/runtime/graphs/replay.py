@@ -19,7 +19,13 @@ The contract, which is what makes that safe:
   device, every scalar's value, the module's ``training`` flag, inference mode and autocast. The
   *addresses* of the region module's parameters, buffers and tensor attributes, and its children:
   a changed one drops the path's graphs (``load_state_dict`` copies in place and keeps them). Any
-  other Python state the region reads is frozen at capture, as in every CUDA graph.
+  other Python state the region reads is frozen at capture, as in every CUDA graph. A path whose
+  state moves ``MAX_STATE_MOVES`` times stops capturing and runs compiled without a graph, the
+  reason in its record: an FSDP2 unit (``fully_shard``, ``reshard_after_forward=True``, the
+  default below the root) frees its unsharded parameters after each forward and all-gathers them
+  into newly allocated memory before the next, so their addresses are the caching allocator's
+  choice from call to call; recapturing on every move would cost a capture per call and a pool
+  that grows. ``reshard_after_forward=False`` keeps them in place, and its graphs replay.
 - **Inputs** are copied into static buffers just before each replay (buffers shared by every
   path with an input of that layout: surgery.runtime.graphs.arena), or, when the input is another
   region's output, read where it is (the graph keeps a view of its own of it, which the owner's
@@ -77,11 +83,17 @@ from surgery.runtime.graphs.outputs import (
     _Watch,
 )
 
-__all__ = ["MAX_GRAPHS_PER_PATH", "MAX_OUTPUT_SETS", "Capturer", "CudaCapturer", "Graph",
-           "RegionGraphs"]
+__all__ = ["MAX_GRAPHS_PER_PATH", "MAX_OUTPUT_SETS", "MAX_STATE_MOVES", "STATE_MOVES_REASON",
+           "Capturer", "CudaCapturer", "Graph", "RegionGraphs"]
 
 # At most this many captured signatures per region path; more run the compiled code uncaptured.
 MAX_GRAPHS_PER_PATH = 8
+# After this many drops because the module's tensors moved, the path stops capturing.
+MAX_STATE_MOVES = 3
+STATE_MOVES_REASON = (
+    f"runs compiled without a CUDA graph: its parameters or buffers moved {MAX_STATE_MOVES} "
+    "times between calls (an FSDP2 unit re-gathers them into new memory each forward; "
+    "fully_shard(..., reshard_after_forward=False) keeps them in place, and graphs replay)")
 
 
 # run_compiled(args, kwargs) -> (output, whether compiled code ran)
@@ -108,6 +120,7 @@ class RegionGraphs:
         self.captures = 0
         self.adopt = True  # read other regions' owned outputs in place (see _capture)
         self.moved = 0  # replays refused because an adopted input was somewhere else
+        self.state_moves = 0  # graphs dropped because the module's tensors moved
         self.output_sets = 0  # the most output sets any signature needed
         self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
         self.arena = arena_of(capturer)  # shared static inputs and output sets; the cap
@@ -171,6 +184,10 @@ class RegionGraphs:
         assert self.watch is not None
         if not self.watch.unchanged():
             self.drop("the region's parameters, buffers or submodules changed since capture")
+            self.state_moves += 1
+            if self.state_moves >= MAX_STATE_MOVES:
+                self.disabled = STATE_MOVES_REASON
+                self.notes.append(STATE_MOVES_REASON)
             return run_compiled(args, kwargs)[0]
         for i, ptr in cap.adopted:
             if tensors[i].data_ptr() != ptr:  # not the output it was captured reading: recapture
