@@ -11,6 +11,8 @@ What is shared, and why it is safe.
   region graphs never replay at the same time (one stream, as replay.py says), so every path
   with an input of the same shape, strides, dtype, device and inference mode reads one buffer.
   The k-th input of a layout within one call gets the k-th buffer: one call's inputs never share.
+  Off by default (``MemoryPolicy.share_inputs``): measured once on the H200 it cost step time
+  for 150 MiB of peak (benchmarks/RESULTS.md); a user at the edge of memory turns it on.
 - **Output sets.** A set may be overwritten once nothing outside surgery references what an
   earlier replay returned from it: the held check (its storages' use counts) decides before
   every replay, whichever path's graph wrote it last. So a path's *first* set is any set of its
@@ -46,7 +48,11 @@ from surgery.runtime.graphs.outputs import OutputSet, _alloc_like, _Layout
 class MemoryPolicy:
     """What the arena shares; a benchmark turns each off to measure what it saves."""
 
-    share_inputs: bool = True
+    # Off by default: on the H200 (benchmarks/RESULTS.md, issue 20) sharing static inputs saved
+    # 150 MiB more of the SDPA example's peak (already 13% under eager's with shared outputs)
+    # but the step ran 56.5 ms against 45.7 ms with outputs shared alone; one run, so it is a
+    # switch to measure again, not a settled cost.
+    share_inputs: bool = False
     share_outputs: bool = True
 
 
