@@ -16,7 +16,6 @@ Deployment imports only torch, jsonschema and the manifest reader: no click, no 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -52,6 +51,7 @@ from surgery.runtime.resolve import (
     ManifestSource,
     _check_nesting,
     bind_model,
+    callable_at,
     check_fingerprint,
     resolve_manifest,
     resolve_path,
@@ -298,14 +298,7 @@ def apply_manifest(
 def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: CompilePlan,
              groups: dict[tuple[Any, ...], _Group], state: _HandleState,
              precompiled: Loaded | None = None) -> _Slot:
-    own = vars(mod).get(name)
-    if getattr(own, "__surgery_slot__", None) is not None:
-        raise RegionError(f"region path {rec.path!r} is already compiled by another "
-                          "apply_manifest handle", region=rec.path,
-                          hint="restore() the first handle before applying again")
-    eager = getattr(mod, name)
-    bound = inspect.ismethod(eager) and eager.__self__ is mod
-    target = eager.__func__ if bound else eager
+    own, eager, bound, target = callable_at(mod, name, path=rec.path)
     dynamic = True if region.dynamic else plan.dynamic  # plan --input saw only sizes vary
     key = group_key(target, [plan.backend, plan.config_patches, plan.fullgraph, dynamic], mod,
                     region.group)

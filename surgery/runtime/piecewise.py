@@ -47,7 +47,6 @@ graph's structure until the window is full: one compile per length, bounded by t
 
 from __future__ import annotations
 
-import inspect
 import re
 import threading
 import warnings
@@ -70,6 +69,7 @@ from surgery.runtime.piecewise_split import (
     PiecewiseGraph,
 )
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
+from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper
 
 # A dynamic-dim source: a forward argument name, or `self.` and a dotted attribute path of the
@@ -367,14 +367,7 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
             f"unknown key(s) {unknown}" if unknown else f"split op(s) {bad} not allowed"),
             region=rec.path, hint=f"keys: split_ops, dynamic; split ops: {list(SPLIT_OPS)}")
     sources = [Source.parse(s, region=rec.path) for s in spec.get("dynamic", ())]
-    own = vars(mod).get(name)
-    if getattr(own, "__surgery_slot__", None) is not None:
-        raise RegionError(f"region path {rec.path!r} is already compiled by another "
-                          "apply_manifest handle", region=rec.path,
-                          hint="restore() the first handle before applying again")
-    eager = getattr(mod, name)
-    bound = inspect.ismethod(eager) and eager.__self__ is mod
-    target = eager.__func__ if bound else eager
+    own, eager, bound, target = callable_at(mod, name, path=rec.path)
     key = (id(target), plan.backend, split_ops)
     group = groups.get(key)
     if group is None:

@@ -12,6 +12,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -252,3 +253,18 @@ def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:
                     f"region path {path!r} is inside region {outer!r}: the outer graph would "
                     "inline it, so it would never run its own compiled code", region=path,
                     hint="keep one of the two (`surgery plan` resolves nesting)")
+
+
+def callable_at(mod: nn.Module, name: str, *, path: str) -> tuple[Any, Any, bool, Any]:
+    """``(own, eager, bound, function)`` of the callable a region replaces on ``mod.name``: what
+    the instance dict holds (restored as it was), the callable itself, whether it is a method
+    bound to ``mod``, and the plain function to compile. A slot of another live handle there is
+    refused: two handles would each restore the other's wrapper."""
+    own = vars(mod).get(name)
+    if getattr(own, "__surgery_slot__", None) is not None:
+        raise RegionError(f"region path {path!r} is already compiled by another "
+                          "apply_manifest handle", region=path,
+                          hint="restore() the first handle before applying again")
+    eager = getattr(mod, name)
+    bound = inspect.ismethod(eager) and eager.__self__ is mod
+    return own, eager, bound, (eager.__func__ if bound else eager)
