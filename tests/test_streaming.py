@@ -181,9 +181,13 @@ def test_golden_piecewise_manifest_reads_back() -> None:
 
     path = os.path.join(os.path.dirname(__file__), "golden", "tiny-sdpa-piecewise.surgery.toml")
     m = resolve_manifest(path)
-    (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
-    assert pw.piecewise == {"split_ops": ["scaled_dot_product_attention"],
-                            "dynamic": ["self.attn.kv_cache"]}
+    pw = {r.module_class: r for r in m.regions if r.kind == PIECEWISE_KIND}
+    assert sorted(pw) == ["CameraBlock", "RopeBlock"]  # global blocks, and the indexed trunk
+    assert pw["RopeBlock"].piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                                         "dynamic": ["self.attn.kv_cache"]}
+    assert pw["CameraBlock"].piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                                           "dynamic": ["cache"]}
+    assert pw["CameraBlock"].compile == {"max_signatures": 20}
 
 
 def test_evidence_plan_makes_the_growing_cache_blocks_piecewise() -> None:
