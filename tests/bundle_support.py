@@ -5,11 +5,43 @@ from __future__ import annotations
 
 import base64
 import pickle
+import textwrap
 import zlib
 from pathlib import Path
 
 KEY_HEX = "5e" * 32  # what `secrets.token_hex(32)` prints: 64 hex digits
 KEY = bytes.fromhex(KEY_HEX)
+
+# A module file for tests that warm and deploy in fresh processes (`--model MOD:build`): two
+# identical blocks, so one compiled group, small enough for inductor to compile quickly. Each
+# test appends its own STEP or example factory.
+TWO_BLOCKS_SRC = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 32)
+            self.b = nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    def build():
+        torch.manual_seed(0)
+        return Net()
+''')
 
 
 def torch_cache_blob(groups: list[tuple[str, list[tuple[str, bytes]]]]) -> bytes:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bundle_support import EMPTY_BLOB, KEY, KEY_HEX, torch_cache_blob
+from bundle_support import EMPTY_BLOB, KEY, KEY_HEX, TWO_BLOCKS_SRC, torch_cache_blob
 from click.testing import CliRunner
 from safetensors.torch import save_file
 from torch import nn
@@ -38,33 +38,7 @@ AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # on_cpu: no CUDA here, so 
 
 # A two-block model small enough that inductor compiles its one graph quickly. It lives in a
 # file so that `surgery warm --model warmmod:build` and a second process can import it.
-MODEL_SRC = textwrap.dedent('''
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(16, 32)
-            self.b = nn.Linear(32, 16)
-
-        def forward(self, x):
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    def build():
-        torch.manual_seed(0)
-        return Net()
-
+MODEL_SRC = TWO_BLOCKS_SRC + textwrap.dedent('''
     def example(model):
         return torch.randn(4, 16)
 ''')

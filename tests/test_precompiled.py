@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bundle_support import EMPTY_BLOB, KEY, KEY_HEX
+from bundle_support import EMPTY_BLOB, KEY, KEY_HEX, TWO_BLOCKS_SRC
 from click.testing import CliRunner
 from torch._dynamo.utils import counters
 
@@ -40,33 +40,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = Path(HERE) / "tests" / "golden"
 
 # Two identical blocks (one compiled group) and a STEP, as `plan --input` and `warm --step` take.
-MODEL_SRC = textwrap.dedent('''
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(16, 32)
-            self.b = nn.Linear(32, 16)
-
-        def forward(self, x):
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    def build():
-        torch.manual_seed(0)
-        return Net()
-
+MODEL_SRC = TWO_BLOCKS_SRC + textwrap.dedent('''
     X = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
 
     def step(model):
