@@ -46,14 +46,17 @@ class FakeCapturer:
     def __init__(self, fail: bool = False) -> None:
         self.owned: Any = weakref.WeakValueDictionary()  # as CudaCapturer holds them
         self.fail = fail
-        self.graphs: list[FakeGraph] = []
+        # The live graphs, held weakly as a CUDA capturer holds none: a dropped graph (and the
+        # static inputs its work reads) is freed, as on the device.
+        self.graphs: weakref.WeakSet[FakeGraph] = weakref.WeakSet()
 
     def capture(self, work: Callable[[], None]) -> FakeGraph:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         work()
-        self.graphs.append(FakeGraph(work))
-        return self.graphs[-1]
+        graph = FakeGraph(work)
+        self.graphs.add(graph)
+        return graph
 
 
 class Calls:

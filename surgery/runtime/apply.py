@@ -244,6 +244,7 @@ def apply_manifest(
     _check_nesting(resolved)
 
     cuda_graph_regions = False
+    capped: set[int] = set()  # arenas whose cap this apply set
     clone_risk: list[str] = []
     mha = False
     try:
@@ -266,7 +267,11 @@ def apply_manifest(
                 handle._slots.append(_install(mod, name, rec, region, plan, groups, state,
                                               handle.precompiled))
             if plan.capture_region:  # the cap is per device: the latest apply sets it
-                arena_of(_capturer_for(mod)).limit = cap
+                arena = arena_of(_capturer_for(mod))
+                if id(arena) not in capped:  # this apply's demotions only (collect_memory)
+                    capped.add(id(arena))
+                    arena.demoted = []
+                arena.limit = cap
             cuda_graph_regions |= plan.cuda_graphs
             clone_risk += [path] if plan.clone_risk else []
             mha |= any(isinstance(x, nn.MultiheadAttention) for x in mod.modules())
@@ -317,7 +322,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
     if plan.capture_region:
         slot.graphs = RegionGraphs(mod, _capturer_for(mod), slot.raw_call,
                                    clone_outputs=plan.clone_outputs, warn=slot.warn_graphs,
-                                   notes=rec.notes)
+                                   notes=rec.notes, label=rec.path)
         slot.graphs.ready = functools.partial(group.ready_for, slot)
     slot.check = signature_check(region.evidence, rec.path, eager, region.dynamic_dims)
     group.slots.append(slot)

@@ -14,9 +14,11 @@ writer.
 
 The cap. ``apply_manifest(..., max_graph_memory="2GiB")`` (bytes, or a string with a unit)
 sets the arena's limit: before each new buffer or capture the arena checks that the graphs'
-memory stays within it; past it, a path is not captured and runs compiled without a graph, and
-a ring that would grow clones its outputs instead. Paths are admitted in the order they are
-first captured (the model's call order), so the paths that miss out are the last ones called.
+memory stays within it. Past it the largest paths give way first, whatever order the model
+calls them in (surgery.runtime.graphs.demote): paths that hold more alone than the newcomer
+needs are demoted (their graphs dropped; they run compiled without a graph) when that makes
+room, or else the newcomer is not captured (a ring that would grow clones its outputs instead).
+Each demotion is in the demoted path's record, and ``GraphMemory.demoted`` lists them in order.
 The cap is per device (one arena per capturer): the latest ``apply_manifest`` sets it.
 
 Also here, as it concerns the allocator under CUDA graphs: the note apply_manifest adds when
@@ -87,6 +89,7 @@ def collect_memory(slots: Sequence[Any]) -> GraphMemory:
     limit = None
     over: list[str] = []
     pools: dict[int, Any] = {}
+    arenas: dict[int, Any] = {}
     for slot in slots:
         parts = region_graphs(getattr(slot, "graphs", None))
         if not parts:
@@ -107,12 +110,16 @@ def collect_memory(slots: Sequence[Any]) -> GraphMemory:
             if graphs.over_cap and slot.record.path not in over:
                 over.append(slot.record.path)
             limit = graphs.arena.limit
+            arenas[id(graphs.arena)] = graphs.arena
             pools[id(graphs.capturer)] = graphs.capturer
         paths.append(rec)
     reserved = [getattr(c, "pool_reserved", lambda: None)() for c in pools.values()]
     pool = sum(r for r in reserved if r is not None) if any(r is not None for r in reserved) \
         else None
-    return GraphMemory(paths, pool, limit, over)
+    mine = {p.path for p in paths}
+    demoted = [(label, n) for a in arenas.values() for label, n in a.demoted
+               if label.split(" (piece ")[0] in mine]
+    return GraphMemory(paths, pool, limit, over, demoted)
 
 
 # Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint

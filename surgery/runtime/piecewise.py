@@ -175,7 +175,7 @@ class PiecewiseSlot:
 
     def __post_init__(self) -> None:
         self.graphs = PathPieces(self.module, self.capturer, warn=self._warn_graphs,
-                                 notes=self.record.notes)
+                                 notes=self.record.notes, label=self.record.path)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rec = self.record

@@ -175,8 +175,9 @@ class PathPieces:
     """One region path's view of the pieces: its region graphs and what it counted."""
 
     def __init__(self, module: nn.Module, capturer: Capturer | None, *, warn: Callable[[str], None],
-                 notes: list[str]) -> None:
+                 notes: list[str], label: str = "") -> None:
         self.module = module
+        self.label = label  # the region path, for its pieces' notes
         self.capturer = capturer
         self.warn = warn
         self.notes = notes
@@ -254,7 +255,8 @@ class StaticPiece(nn.Module):
         if entry is None:
             call = _PieceCall(self)
             graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
-                                  warn=state.warn, notes=state.notes)
+                                  warn=state.warn, notes=state.notes,
+                                  label=f"{state.label} (piece {len(state.graphs)})")
             entry = state.graphs[id(self)] = (graphs, call)
         graphs, call = entry
         stable = [args[j] for j in self.stable_pos]

@@ -317,6 +317,8 @@ class GraphMemory:
     pool_reserved: int | None = None
     limit: int | None = None  # max_graph_memory, when set
     over_cap: list[str] = field(default_factory=list)  # paths the cap kept a graph from
+    # (path, bytes its graphs held alone): what the cap demoted, largest first, in order
+    demoted: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def outputs(self) -> int:
@@ -350,4 +352,7 @@ class GraphMemory:
         if self.over_cap:
             text += (f", {len(self.over_cap)} path(s) over it run without a graph or clone "
                      f"(e.g. {self.over_cap[0]})")
+        if self.demoted:
+            text += (f", the largest first ({len(self.demoted)} demoted, the first "
+                     f"{self.demoted[0][0]} holding {self.demoted[0][1] / div:.2f} {unit})")
         return text

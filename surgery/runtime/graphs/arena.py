@@ -25,9 +25,10 @@ What is shared, and why it is safe.
 Accounting. ``used()`` is what the live buffers hold (each storage once) plus the capture
 pool's growth (``pool_bytes``, filled in by the capturer: on CUDA, the reserved memory each
 capture added). ``limit`` (``apply_manifest(max_graph_memory=...)``) is checked before each new
-buffer or capture: past it the path runs compiled without a graph (replay.py notes why). The
-pool's growth of a capture is known only after it (and comes in the allocator's segments, 2 MiB
-and up), so the cap holds to within the last admitted capture's pool growth.
+buffer or capture: past it the largest paths give way first (surgery.runtime.graphs.demote) and
+run compiled without a graph. The pool's growth of a capture is known only after it (and comes
+in the allocator's segments, 2 MiB and up), so the cap holds to within the last admitted
+capture's pool growth.
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ class BufferArena:
         self._sets: dict[tuple[Any, ...], list[weakref.ref[OutputSet]]] = {}
         self._all_sets: weakref.WeakValueDictionary[int, OutputSet] = \
             weakref.WeakValueDictionary()
+        # The region graphs (one path's, or one piece's) that use this arena, by registration
+        # order, which surgery.runtime.graphs.demote breaks ties by; and what the cap demoted.
+        self._members: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self.demoted: list[tuple[str, int]] = []  # (label, bytes it held alone), in order
+
+    def register(self, member: Any) -> int:
+        """Add a RegionGraphs to the members; returns its registration number."""
+        n = next(self._ids)
+        self._members[n] = member
+        return n
+
+    def members(self) -> list[Any]:
+        """The live members, in registration order."""
+        return [m for _, m in sorted(self._members.items())]
 
     # --- static inputs ---------------------------------------------------------------------
 

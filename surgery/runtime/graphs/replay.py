@@ -70,6 +70,7 @@ from surgery.runtime.graphs.collectives import (
     holds_collective_reason,
     issued_since,
 )
+from surgery.runtime.graphs.demote import make_room
 from surgery.runtime.graphs.outputs import (
     MAX_OUTPUT_SETS,
     NO_USE_COUNT,
@@ -106,8 +107,9 @@ class RegionGraphs:
     def __init__(self, module: nn.Module, capturer: Capturer,
                  raw_call: Callable[[tuple[Any, ...], dict[str, Any]], Any], *,
                  clone_outputs: bool, warn: Callable[[str], None],
-                 notes: list[str] | None = None) -> None:
+                 notes: list[str] | None = None, label: str = "") -> None:
         self.module = module
+        self.label = label  # the region path (and piece) it captures, for notes
         self.capturer = capturer
         self.raw_call = raw_call  # the compiled callable, outside surgery's call accounting
         self.clone = clone_outputs
@@ -124,6 +126,7 @@ class RegionGraphs:
         self.output_sets = 0  # the most output sets any signature needed
         self.capture_s = 0.0  # time spent capturing (warm-up run, capture, instantiation)
         self.arena = arena_of(capturer)  # shared static inputs and output sets; the cap
+        self.arena_order = self.arena.register(self)  # ties under the cap (graphs.demote)
         self.pool_bytes = 0  # what its captures added to the capture pool (CUDA: reserved)
         self.over_cap = ""  # set when max_graph_memory kept a graph or a ring set from it
         self.notes: list[str] = [] if notes is None else notes  # what happened, for the report
@@ -202,7 +205,8 @@ class RegionGraphs:
         # since aliases returned before the switch may still live.
         outs = next((o for o in cap.sets if not o.held()), None)
         grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
-        if grow and not self.arena.admits(self.arena.set_needed(cap.layout, set(), first=False)):
+        if grow and not make_room(self.arena, self, self.arena.set_needed(cap.layout, set(),
+                                                                          first=False)):
             grow = False
             self.clone = True  # clones live outside the graphs' memory
             self._over_cap("another output set for its ring", 0, "clones its outputs")
@@ -233,6 +237,11 @@ class RegionGraphs:
             tensors[i].copy_(inputs[i])
         self.output_sets = max(self.output_sets, len(cap.sets))
         return cap.rebuild(outs.hand_out(self.clone))
+
+    def demote(self, why: str) -> None:
+        """Stop capturing for good and free the graphs (max_graph_memory: graphs.demote)."""
+        self.drop(why)
+        self.disabled = self.over_cap = why
 
     def drop(self, why: str) -> None:
         """Forget every captured graph of this path; the next calls capture again."""
@@ -290,7 +299,8 @@ class RegionGraphs:
         arena = self.arena
         self.over_cap = (f"{what} would take region graphs past max_graph_memory = "
                          f"{fmt_bytes(arena.limit or 0)} (they hold {fmt_bytes(arena.used())}, "
-                         f"{fmt_bytes(need)} more needed); {instead}")
+                         f"{fmt_bytes(need)} more needed, and no larger path could make room); "
+                         f"{instead}")
         self.notes.append(self.over_cap)
 
     def buffers(self) -> tuple[list[Any], list[Any]]:
@@ -336,7 +346,7 @@ class RegionGraphs:
         avoid = {t.untyped_storage().data_ptr() for t in tensors}
         arena = self.arena
         need = arena.inputs_needed(tensors, copied) + arena.set_needed(layout, avoid, first=True)
-        if not arena.admits(need):
+        if not make_room(arena, self, need):  # larger paths give way first, if that is enough
             self.disabled = "not captured: over max_graph_memory"
             self._over_cap("its graph", need, "runs compiled without a graph")
             return None
