@@ -21,6 +21,10 @@ Arms, each a fresh process with an empty inductor/Triton cache:
   names     ``plan_model`` (``surgery plan --model``: names and structure), ``apply_manifest``
   evidence  ``plan_from_step`` (``surgery plan --model --input``): 6 watched steps, 3 bare and
             3 hooked timed steps, then ``apply_manifest``
+  evidence_inductor
+            the same plan with its light regions (surgery.planning.compile_cost: small compile
+            groups new to the names plan, aot_eager under region capture) put back on inductor,
+            as plans were before: what the light rule saves in cold start, and costs in speed
 
 Per arm: median and p90 ms a unit (CUDA events, synchronised each unit), cold start (s: plan,
 compile and warm-up until the first timed unit; the plan's own time beside it), peak GPU memory
@@ -63,7 +67,7 @@ from _arms import (  # noqa: E402
 )
 
 MODELS = ("sdpa", "flux", "gpt2_generate", "gpt2_static")
-ARMS = ("eager", "names", "evidence")
+ARMS = ("eager", "names", "evidence", "evidence_inductor")
 TINY = os.environ.get("GPU_PLANS_SIZE") == "tiny"
 WARM = 2 if TINY else 20  # sdpa: frames before timing (the camera trunk's window is 16)
 NEW_TOKENS = 4 if TINY else 16
@@ -133,8 +137,10 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     import torch
 
     from surgery import apply_manifest
+    from surgery.planning.compile_cost import COST_KEYS, LIGHT_BACKEND
     from surgery.planning.observed import plan_from_step
     from surgery.planning.plan import compile_defaults, plan_model
+    from surgery.runtime.precompiled import group_breakdown
     from surgery.runtime.signatures import UnplannedSignatureWarning
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,7 +162,7 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     manifest = None
     if arm == "names":
         manifest = plan_model(f"gpu_plans:{FACTORY[name]}", compile=compile_defaults()).manifest
-    elif arm == "evidence":
+    elif arm in ("evidence", "evidence_inductor"):
         def step(m: Any) -> None:
             with torch.no_grad():  # planned under no_grad, deployed under inference_mode
                 unit(m)
@@ -168,6 +174,11 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
                                               "step_ms", "hooked_step_ms", "hook_overhead_ms",
                                               "watched_step_ms")})
         out["remainder"] = cov.get("remainder", [])[:4]
+        out["plan_cost"] = {k: cov[k] for k in COST_KEYS if k in cov}
+        if arm == "evidence_inductor":  # the plan before the light rule: every region inductor
+            for r in manifest.regions:
+                if r.compile.get("backend") == LIGHT_BACKEND:
+                    r.compile.pop("backend")
         out["dynamic_regions"] = sum(len(r.paths) for r in manifest.regions if r.dynamic)
         out["left_out"] = len(manifest.left_out)
     if manifest is not None:
@@ -224,6 +235,13 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
                                    for w in caught),
             eager_reasons=sorted({f"{r.kind}: {r.reason}"[:120] for r in recs
                                   if r.status == "eager"})[:4])
+        groups = group_breakdown(handle.groups, None)
+        backends = [g.backend.backend for g in handle.groups]
+        out["compile_groups"] = len(groups)
+        out["compile_s"] = round(sum(g["compile_s"] for g in groups), 2)
+        pairs = zip(groups, backends, strict=True)
+        out["light_compile_s"] = round(sum(g["compile_s"] for g, b in pairs if b != "inductor"),
+                                       2)
     diff = against_reference(outputs, ref_path=os.environ.get("GPU_PLANS_REF"),
                              is_reference=arm == "eager")
     if diff is not None:
@@ -253,8 +271,9 @@ def _pct(x: Any) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| model | arm | ms a unit (median / p90) | vs eager | cold start s (plan s) | "
             "peak GiB compile / steady | compiled | unique graphs / recompiles / dynamic | "
-            "coverage evidence / names | bare / hooked step ms | max rel diff |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "coverage evidence / names | bare / hooked step ms | groups (light) / est. "
+            "compiles / compiles, backend s | max rel diff |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     eager = {r["model"]: r["median_ms"] for r in results
              if r["arm"] == "eager" and "median_ms" in r}
     for r in results:
@@ -266,7 +285,12 @@ def table(results: list[dict[str, Any]]) -> str:
         speed = f"{e / r['median_ms']:.2f}x" if e else ""
         plan = f" ({r['plan_s']:.1f})" if "plan_s" in r else ""
         cov = (f"{_pct(r.get('covered_share'))} / {_pct(r.get('names_covered_share'))}"
-               if r["arm"] == "evidence" else "")
+               if r["arm"].startswith("evidence") else "")
+        pc = r.get("plan_cost") or {}
+        cost = (f"{r.get('compile_groups', '')}"
+                + (f" ({pc['light_groups']})" if pc.get("light_groups") else "")
+                + f" / {pc.get('estimated_compiles', '')} / {r.get('compiles', '')}, "
+                  f"{r.get('compile_s', '')}" if "compiles" in r else "")
         steps = (f"{r['step_ms']:.2f} / {r['hooked_step_ms']:.2f}"
                  if r.get("step_ms") is not None and r.get("hooked_step_ms") is not None else "")
         graphs = (f"{r['unique_graphs']} / {r['recompiles']} / {r['demoted_dynamic']}"
@@ -275,8 +299,27 @@ def table(results: list[dict[str, Any]]) -> str:
         rows.append(f"| {r['model']} | {r['arm']} | {r['median_ms']:.2f} / {r['p90_ms']:.2f} | "
                     f"{speed} | {r['cold_s']:.1f}{plan} | {r['compile_peak_gib']:.2f} / "
                     f"{r['steady_peak_gib']:.2f} | {r.get('compiled', '')} | {graphs} | {cov} | "
-                    f"{steps} | {diff} |")
-    return "\n".join(rows)
+                    f"{steps} | {cost} | {diff} |")
+    return "\n".join(rows + targets(results))
+
+
+def targets(results: list[dict[str, Any]]) -> list[str]:
+    """Issue 18's targets, per model: the evidence plan at least as fast as names-only, and its
+    cold start at most names-only's plus its planning time."""
+    by = {(r["model"], r["arm"]): r for r in results if "median_ms" in r}
+    out = [""]
+    for model in dict.fromkeys(r["model"] for r in results):
+        n, e = by.get((model, "names")), by.get((model, "evidence"))
+        if n is None or e is None:
+            continue
+        fast = e["median_ms"] <= n["median_ms"]
+        bound = n["cold_s"] + e.get("plan_s", 0.0)
+        cold = e["cold_s"] <= bound
+        out.append(f"- {model}: evidence {e['median_ms']:.2f} ms against names "
+                   f"{n['median_ms']:.2f} ({'met' if fast else 'NOT met'}); cold start "
+                   f"{e['cold_s']:.1f} s against {n['cold_s']:.1f} + {e.get('plan_s', 0.0):.1f} "
+                   f"= {bound:.1f} ({'met' if cold else 'NOT met'})")
+    return out
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ function (surgery.runtime.groups), keyed by the function, its weight layout and 
 3. **Dynamic when only sizes vary.** A path whose signatures differ only in tensor sizes (a
    batch size that varies, a sequence length) and that shows more than the budget is one dynamic
    region: ``dynamic = true`` and the dims that varied (``dynamic_dims = {x = [0]}``), compiled
-   once with dynamic shapes. Its recorded signatures carry ``*`` in those dims, so the runtime's
+   once with those dims dynamic and every other dim static (DimMarks, surgery.runtime.groups). Its
+   recorded signatures carry ``*`` in those dims, so the runtime's
    signature check (surgery.runtime.signatures) treats every size there as planned.
 """
 

@@ -25,7 +25,13 @@ from surgery.formats.fingerprint import compute_fingerprint
 from surgery.formats.manifest import DEFAULT_COMPILE, DEFAULT_WARMUP, LeftOut, Manifest, Region
 from surgery.formats.source import load_factory
 from surgery.planning.compare import best_of
-from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, Choice, choose_regions
+from surgery.planning.compile_cost import (
+    LIGHT_BACKEND,
+    cost_note,
+    drop_light,
+    weigh_compile_cost,
+)
+from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, Choice, choose_regions, shares
 from surgery.planning.evidence import coverage as step_coverage
 from surgery.planning.observation import Clock, Observation
 from surgery.planning.observe import observe
@@ -186,16 +192,26 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
     first = choose_regions(w.obs, methods=w.methods, include=include, exclude=exclude)
     names = [c.path for c in w.names.regions
              if not any(fnmatch.fnmatchcase(c.path, g) for g in exclude)]
+    table = dict(compile or DEFAULT_COMPILE)
+    share = shares(w.obs)
+    # Light groups that no region capture would repay are left out before the two plans are
+    # compared, so that the comparison sees the plan as it will be written.
+    first = drop_light(w.obs, first, weigh_compile_cost(w.obs, first.groups, names, share,
+                                                        compile=table).dropped)
     choice, versus = best_of(w.obs, first, names)
+    weighed = weigh_compile_cost(w.obs, choice.groups, names, share, compile=table)
+    choice = drop_light(w.obs, choice, weighed.dropped)
     if not choice.regions:
         raise _empty(w, choice, source)
     cov = choice.coverage
     if notes is not None:
         notes.extend(_coverage_notes(cov, versus))
+        notes.append(cost_note(weighed.figures))
         notes.append(graph_outputs_note(w.obs, list(choice.regions)))
     kinds = {c.path: c.kind for c in w.names.regions}
     manifest = _manifest(w.view, w.tensors, w.obs, choice, kinds=kinds, source=source,
-                         compile=compile, extra={**(extra or {}), **versus})
+                         compile=compile, light=weighed.light,
+                         extra={**(extra or {}), **versus, **weighed.figures})
     manifest.model["class"] = f"{type(w.model).__module__}.{type(w.model).__qualname__}"
     return manifest
 
@@ -275,7 +291,7 @@ def _merge_evidence(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _manifest(view: Any, tensors: dict[str, Any], obs: Observation, choice: Choice, *,
               kinds: dict[str, str], source: str, compile: dict[str, Any] | None,
-              extra: dict[str, Any]) -> Manifest:
+              extra: dict[str, Any], light: set[str] | None = None) -> Manifest:
     compile = dict(compile or DEFAULT_COMPILE)
     ring = compile.get("capture") == "region"
     if ring:
@@ -294,9 +310,12 @@ def _manifest(view: Any, tensors: dict[str, Any], obs: Observation, choice: Choi
             params = sum(view.numel(p) for p in paths) if callable_ == "forward" else None
             covered += params or 0
             keep = None if ring else OUTPUTS_OUTLIVE_STEP.get(kind)
+            table: dict[str, Any] = {} if keep is None else {"clone_outputs": keep}
+            if light and light.intersection(paths):  # a trace, not a kernel build
+                table["backend"] = LIGHT_BACKEND  # (surgery.planning.compile_cost)
             regions.append(Region(
                 kind=kind, callable=callable_, module_class=cls or None, parameters=params,
-                compile={} if keep is None else {"clone_outputs": keep},
+                compile=table,
                 paths=sorted(paths, key=natural_key),
                 evidence=_merge_evidence([choice.evidence[p] for p in paths]),
                 dynamic=g.dynamic_dims is not None, dynamic_dims=dict(g.dynamic_dims or {}),

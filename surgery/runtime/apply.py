@@ -34,7 +34,7 @@ from surgery.runtime.graph_memory import collect_memory, note_expandable_segment
 from surgery.runtime.graphs.arena import arena_of
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
-from surgery.runtime.groups import _Group
+from surgery.runtime.groups import DimMarks, _Group
 from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
 from surgery.runtime.precompiled import Loaded, build_section, load_for_apply, report_use
 from surgery.runtime.report import (
@@ -305,13 +305,18 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
              precompiled: Loaded | None = None) -> _Slot:
     own, eager, bound, target = callable_at(mod, name, path=rec.path)
     dynamic = True if region.dynamic else plan.dynamic  # plan --input saw only sizes vary
-    key = group_key(target, [plan.backend, plan.config_patches, plan.fullgraph, dynamic], mod,
-                    region.group)
+    # The dims that varied, and only those, compile dynamic (DimMarks, surgery.runtime.groups).
+    marks = DimMarks(region.dynamic_dims, parameter_names(eager)) if region.dynamic else None
+    options = [plan.backend, plan.config_patches, plan.fullgraph, dynamic]
+    if marks:
+        options.append(marks.text())
+    key = group_key(target, options, mod, region.group)
     group = groups.get(key)
     if group is None:
         group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
                                             config_patches=plan.config_patches,
-                                            fullgraph=plan.fullgraph, dynamic=dynamic)
+                                            fullgraph=plan.fullgraph, dynamic=dynamic,
+                                            marks=marks or None)
         if precompiled is not None:
             group.precompiled = precompiled.take(group.identity, target)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,

@@ -5,6 +5,22 @@ torch.compile is given wraps the real one: it counts each graph compiled and eac
 attributed to the path whose call is running (surgery.runtime.slots pushes it). A group compiles a
 copy of its function with a code object of its own (surgery.runtime.budget), so its dynamo cache and
 recompile limit are its own.
+
+**Dynamic dims, one by one.** A region planned with ``dynamic_dims`` (``plan --input`` saw those
+sizes vary: ``{x = [0]}``, a batch) compiles those dims dynamic and every other dim static.
+``torch.compile(dynamic=True)`` would make *every* size symbolic: the feature width, a token
+count that never changed; the graph then computes on symbols where it could have constants, and
+a change in a dim the plan saw fixed would pass as planned. So such a group compiles with
+``dynamic=False`` (dynamo assumes every size static and never turns one dynamic on its own), and
+``DimMarks`` puts ``torch._dynamo.maybe_mark_dynamic`` on exactly the listed dims of the named
+tensor arguments before every compiled call. A size change in a marked dim runs the same graph;
+one in any other dim is a recompile, counted against the path's dynamic budget
+(surgery.runtime.slots). ``maybe_mark_dynamic``, not ``mark_dynamic``: where the code
+specialises a marked dim (a branch on it, or a size of 1), dynamo compiles that size statically
+instead of raising. The marks go on every call the same way, because dynamo guards on a tensor's
+marks, and come off when the call returns, so the caller's tensors leave as they came. A name or
+dim the call does not have is skipped (a manifest is untrusted; the schema bounds it to 64
+names of 16 dims).
 """
 
 from __future__ import annotations
@@ -12,7 +28,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +101,57 @@ class _CountingBackend:
             reset_cudagraph_trees()
 
 
+_WEAK = "_dynamo_weak_dynamic_indices"  # where maybe_mark_dynamic keeps a tensor's marks
+_MARKED = "_has_dynamo_dim_marking"
+
+
+class DimMarks:
+    """The dims of named arguments to mark dynamic before a compiled call."""
+
+    def __init__(self, dims: Mapping[str, Sequence[int]], names: Sequence[str]) -> None:
+        self.dims = {k: sorted(set(v)) for k, v in dims.items() if v}
+        self.names = list(names)  # positional parameter names of the callable
+
+    def __bool__(self) -> bool:
+        return bool(self.dims)
+
+    def text(self) -> str:
+        """For a group's identity and the report: ``x=[0]; y=[0, 1]``."""
+        return "; ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+
+    def _targets(self, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        for i, a in enumerate(args):
+            name = self.names[i] if i < len(self.names) else f"arg{i}"
+            if name in self.dims and isinstance(a, torch.Tensor):
+                yield a, self.dims[name]
+        for k, a in kwargs.items():
+            if k in self.dims and isinstance(a, torch.Tensor):
+                yield a, self.dims[k]
+
+    @contextmanager
+    def applied(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        """Mark the dims for the duration of one call, then put each tensor's marks back."""
+        undo: list[tuple[torch.Tensor, Any, Any]] = []
+        for t, dims in self._targets(args, kwargs):
+            had = vars(t).get(_WEAK)
+            undo.append((t, None if had is None else set(had), vars(t).get(_MARKED)))
+            torch._dynamo.maybe_mark_dynamic(t, [d for d in dims if d < t.dim()])
+        try:
+            yield
+        finally:
+            for t, weak, marked in reversed(undo):
+                _put_back(t, _WEAK, weak)
+                _put_back(t, _MARKED, marked)
+
+
+def _put_back(t: torch.Tensor, attr: str, value: Any) -> None:
+    if value is None:
+        vars(t).pop(attr, None)
+    else:
+        setattr(t, attr, value)
+
+
 @dataclass
 class _Group:
     """One compiled callable shared by every path with the same code and options.
@@ -112,19 +180,26 @@ class _Group:
     precompiled: dict[str, Artifact] = field(default_factory=dict)
     _by_sig: dict[Signature, Artifact | None] = field(default_factory=dict)
     _guards_failed: set[tuple[int, Signature]] = field(default_factory=set)
+    # The dims a plan saw vary, marked dynamic on every call (DimMarks, surgery.runtime.groups);
+    # the group then compiles with every other dim static, and counts as dynamic for budgets.
+    marks: DimMarks | None = None
 
     @classmethod
     def create(cls, target: Callable[..., Any], *, bound: bool, backend: str,
                config_patches: dict[str, Any] | None, fullgraph: bool,
-               dynamic: bool | None) -> _Group:
+               dynamic: bool | None, marks: DimMarks | None = None) -> _Group:
         counting = _CountingBackend(backend, config_patches)
         compiled = torch.compile(fresh_function(target), backend=counting, fullgraph=fullgraph,
-                                 dynamic=dynamic)
-        group = cls(compiled, counting, bound, target, fullgraph, dynamic)
+                                 dynamic=False if marks else dynamic)
+        group = cls(compiled, counting, bound, target, fullgraph, True if marks else dynamic)
+        group.marks = marks or None
         # torch's AOT path traces whole graphs: a function with a graph break is left to the
         # Mega-Cache part when the bundle is built (surgery.runtime.precompiled).
-        group.identity = group_identity(target, json.dumps(
-            [backend, config_patches, fullgraph, dynamic], sort_keys=True, default=str))
+        options = [backend, config_patches, fullgraph, dynamic]
+        if marks:
+            options.append(marks.text())
+        group.identity = group_identity(target, json.dumps(options, sort_keys=True,
+                                                           default=str))
         return group
 
     def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -144,6 +219,10 @@ class _Group:
                         slot.record.precompiled_runs += 1
                     return out
                 self._guards_failed.add((id(module), sig))
+        if self.marks is not None:
+            with self.marks.applied(args, kwargs):
+                return self.compiled(module, *args, **kwargs) if self.bound else \
+                    self.compiled(*args, **kwargs)
         return self.compiled(module, *args, **kwargs) if self.bound else \
             self.compiled(*args, **kwargs)
 

@@ -1,0 +1,148 @@
+"""What an evidence plan costs to compile, and the light regions that inductor would not repay.
+
+Why. A region's cold start is its compiles: dynamo traces the function once per compile group
+(one function with one weight layout, surgery.planning.budgets) and signature, and inductor then
+generates and builds kernels for each graph, from scratch in a fresh process (about 2 s a small
+graph on an H200, more on a CPU). The evidence plan finds regions the names-only plan does not
+(on diffusers' Flux: ``time_text_embed``, ``pos_embed``, ``norm_out``, three small graphs that
+were 7.7% of the step), and each is a *new* compile group. On an H200 those three cost 7 s of
+cold start for 0.8 ms a call, so the evidence plan's cold start missed its target (at most the
+names-only plan's plus the planning time).
+
+What a small region gains under region capture (``capture = "region"``, the default) is mostly
+its launches: surgery replays one CUDA graph of it, whatever compiled it. What inductor adds on
+top is kernel fusion, which can save at most the region's own kernel time, a part of its share of
+the step. So:
+
+- A **light group** is a compile group of the evidence plan that the names-only plan does not
+  have (none of its paths is a names region) and whose paths together hold less than
+  ``LIGHT_SHARE`` of the bare step. Names groups are never light: they compile exactly as the
+  names-only plan would, so the evidence plan keeps every speed-up the names plan has.
+- With region capture, a light group compiles with ``LIGHT_BACKEND`` (``aot_eager``: dynamo's
+  trace and AOTAutograd's, no code generation) as a per-region ``[region.compile]`` override,
+  and is captured like every region. Its launches are saved; its compile costs a trace, not a
+  kernel build.
+- Without region capture (the compiler's own graphs, or none), aot_eager would save nothing, so
+  a light group is **left out** with the reason ("not worth its compile: ...").
+
+The figures (``compile_cost``) go into ``[coverage]`` and the plan's notes, so that a benchmark
+can check them against the runtime's report: regions, compile groups, and estimated compiles
+(one a group and distinct signature seen, the most a group's budget allows; a dynamic group one),
+for the evidence plan as written, for its inductor part, and for the names-only plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from surgery.planning.budgets import RECOMPILE_BUDGET, Group, layout_of
+from surgery.planning.evidence import Choice, coverage
+from surgery.planning.observation import Call, Observation
+
+LIGHT_SHARE = 0.05  # of the bare step: below it a new compile group is light
+LIGHT_BACKEND = "aot_eager"  # what a light group compiles with under region capture
+# The [coverage] keys these figures are written under (a file format: listed in the README).
+COST_KEYS: tuple[str, ...] = ("regions", "compile_groups", "estimated_compiles",
+                              "inductor_groups", "inductor_compiles", "light_groups",
+                              "names_compile_groups", "names_estimated_compiles")
+
+
+@dataclass
+class Weighed:
+    """The groups kept (with the light ones marked), the light paths left out, and the figures."""
+
+    groups: list[Group]
+    light: set[str]  # paths of light groups that compile with LIGHT_BACKEND
+    dropped: dict[str, str]  # light paths left out (no region capture), with the reason
+    figures: dict[str, int]
+
+
+def group_compiles(g: Group, by_path: dict[str, list[Call]]) -> int:
+    """Compiles a group costs: one a distinct signature, at most the budget; dynamic: one."""
+    if g.dynamic_dims is not None:
+        return 1
+    sigs = {c.sig for p in g.paths for c in by_path.get(p, ())}
+    return max(1, min(len(sigs), RECOMPILE_BUDGET))
+
+
+def names_cost(obs: Observation, names: Sequence[str],
+               by_path: dict[str, list[Call]]) -> tuple[int, int]:
+    """(compile groups, estimated compiles) of the names-only plan's paths that ran."""
+    keyed: dict[tuple[Any, ...], set[Any]] = {}
+    for p in names:
+        if p in by_path:
+            key = (obs.callables.get(p, p), layout_of(obs, p))
+            keyed.setdefault(key, set()).update(c.sig for c in by_path[p])
+    return len(keyed), sum(max(1, min(len(s), RECOMPILE_BUDGET)) for s in keyed.values())
+
+
+def weigh_compile_cost(obs: Observation, groups: Sequence[Group], names: Sequence[str],
+                       share: dict[str, float], *, compile: dict[str, Any]) -> Weighed:
+    """Mark the light groups (see the module docstring) and count what the plan compiles."""
+    by_path = obs.by_path()
+    named = set(names)
+    region_capture = compile.get("capture") == "region"
+    inductor = compile.get("backend", "inductor") == "inductor"
+    kept: list[Group] = []
+    light: set[str] = set()
+    dropped: dict[str, str] = {}
+    for g in groups:
+        part = sum(share.get(p, 0.0) for p in g.paths)
+        is_light = (inductor and bool(obs.clock) and not named.intersection(g.paths)
+                    and part < LIGHT_SHARE)
+        if not is_light:
+            kept.append(g)
+            continue
+        if region_capture:
+            light.update(g.paths)
+            kept.append(g)
+            continue
+        why = (f"not worth its compile: a compile group the names-only plan does not have, "
+               f"for {part:.2%} of the step (under {LIGHT_SHARE:.0%}); without region capture "
+               f"a cheaper backend saves nothing, and inductor's compile would not repay it")
+        dropped.update({p: why for p in g.paths})
+    heavy = [g for g in kept if not light.intersection(g.paths)]
+    n_groups, n_compiles = names_cost(obs, names, by_path)
+    figures = {
+        "regions": sum(len(g.paths) for g in kept),
+        "compile_groups": len(kept),
+        "estimated_compiles": sum(group_compiles(g, by_path) for g in kept),
+        "inductor_groups": len(heavy) if inductor else 0,
+        "inductor_compiles": sum(group_compiles(g, by_path) for g in heavy) if inductor else 0,
+        "light_groups": len(kept) - len(heavy),
+        "names_compile_groups": n_groups,
+        "names_estimated_compiles": n_compiles,
+    }
+    return Weighed(kept, light, dropped, figures)
+
+
+def cost_note(figures: dict[str, int], light_backend: str = LIGHT_BACKEND) -> str:
+    """The figures in one line, for the plan's notes."""
+    f = figures
+    light = (f", {f['light_groups']} light (under {LIGHT_SHARE:.0%} of the step, new to the "
+             f"names plan: {light_backend} under region capture)" if f["light_groups"] else "")
+    return (f"compile cost: {f['regions']} region path(s) in {f['compile_groups']} compile "
+            f"group(s){light}; about {f['estimated_compiles']} compile(s), "
+            f"{f['inductor_compiles']} of them by inductor; the names-only plan: "
+            f"{f['names_compile_groups']} group(s), about {f['names_estimated_compiles']} "
+            "compile(s)")
+
+
+def drop_light(obs: Observation, choice: Choice, dropped: dict[str, str]) -> Choice:
+    """``choice`` without the ``dropped`` paths: each left out with its reason, the modules
+    inside each with a reason naming it, and the coverage taken again."""
+    if not dropped:
+        return choice
+    regions = [p for p in choice.regions if p not in dropped]
+    left = dict(choice.left_out)
+    left.update(dropped)
+    for p in dropped:
+        for d in obs.classes:
+            if d.startswith(f"{p}.") and d not in left:
+                left[d] = f"inside {p}, which is left out as not worth its compile"
+    return Choice(regions, sorted(left.items()),
+                  {p: e for p, e in choice.evidence.items() if p in regions},
+                  coverage(obs, regions),
+                  [g for g in choice.groups if not dropped.keys() & set(g.paths)])
