@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ from surgery.formats.manifest import Region
 from surgery.runtime.budget import fresh_function, parameter_names
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
+from surgery.runtime.piece_cache import PieceCache
 from surgery.runtime.piecewise_split import (
     DEFAULT_SPLIT_OPS,
     SPLIT_OPS,
@@ -213,6 +215,7 @@ class PiecewiseSlot:
         assert self.graphs is not None
         rec.graphs_captured = self.graphs.captures
         rec.cuda_graph_replays = self.graphs.replays
+        rec.pieces_compiled, rec.pieces_shared = self.graphs.compiled, self.graphs.shared
         if rec.compiles > self.budget:
             self._demote(f"recompiled {rec.compiles} times (over its budget of {self.budget}) "
                          "as the cache changed: a branch on the cache length, or a cache whose "
@@ -301,12 +304,15 @@ class PiecewiseGroup:
     """
 
     def __init__(self, target: Callable[..., Any], *, bound: bool, plan: CompilePlan,
-                 split_ops: tuple[str, ...]) -> None:
+                 split_ops: tuple[str, ...], pieces: PieceCache | None = None) -> None:
         self.bound = bound
         self.plan = plan
         self.split_ops = split_ops
         self.slots: list[PiecewiseSlot] = []
         self.graphs: list[PiecewiseGraph] = []
+        # compiled pieces, shared with every group of this apply that compiles the same way
+        self.pieces = pieces if pieces is not None else PieceCache(self._compile_piece)
+        self.split_s = 0.0  # seconds spent splitting the graphs dynamo handed over
         self.compiled = torch.compile(fresh_function(target), backend=self._backend,
                                       fullgraph=True, dynamic=None)
 
@@ -329,10 +335,12 @@ class PiecewiseGroup:
         slot = _active()
         stable = {id(t) for t in (*slot.module.parameters(), *slot.module.buffers())} \
             if slot is not None else set()
+        t0 = time.perf_counter()
         graph = PiecewiseGraph(gm, example_inputs, split_ops=self.split_ops,
                                cache_ids=slot.cache_ids if slot is not None else set(),
-                               stable_ids=stable, compile_piece=self._compile_piece,
+                               stable_ids=stable, pieces=self.pieces,
                                state_for=lambda: s.graphs if (s := _active()) else None)
+        self.split_s += time.perf_counter() - t0
         self.graphs.append(graph)
         if slot is not None:
             rec = slot.record
@@ -371,7 +379,10 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
     key = (id(target), plan.backend, split_ops)
     group = groups.get(key)
     if group is None:
-        group = groups[key] = PiecewiseGroup(target, bound=bound, plan=plan, split_ops=split_ops)
+        shared = next((g.pieces for g in groups.values() if g.plan.backend == plan.backend
+                       and g.plan.config_patches == plan.config_patches), None)
+        group = groups[key] = PiecewiseGroup(target, bound=bound, plan=plan, split_ops=split_ops,
+                                             pieces=shared)
     slot = PiecewiseSlot(mod, name, name in vars(mod), own, eager, rec, region, group,
                          parameter_names(eager), sources, capturer,
                          budget=plan.max_signatures if "max_signatures" in region.compile

@@ -13,8 +13,10 @@ Which op goes *between* pieces (a "split node"), decided once per FX graph dynam
 Every other op is static. Runs of consecutive ops of one class become one piece
 (``torch.fx.passes.split_module``, order kept), so pieces follow program order and never form a
 cycle. A static piece has fixed shapes: it is compiled with the manifest's backend on its first
-call (with that call's real tensors) and, with CUDA and ``capture = "region"``, captured and
-replayed by a RegionGraphs per region path. Its parameters and buffers are read in place, never
+call (with that call's real tensors), once per distinct piece (surgery.runtime.piece_cache: the
+pieces of every graph and block that are the same code on the same input layout share one
+callable) and, with CUDA and ``capture = "region"``, captured and replayed by a RegionGraphs per
+region path and distinct piece. Its parameters and buffers are read in place, never
 copied: the graph bakes their addresses, and a moved one drops that path's graphs. The split
 nodes run between pieces as an FX module, op by op (eagerly).
 
@@ -35,6 +37,7 @@ from torch.fx.passes.split_module import split_module
 from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.piece_cache import CompiledPiece, PieceCache
 
 # Ops that always run between pieces: the manifest names some of these (attention by default).
 SPLIT_OPS = PIECEWISE_SPLIT_OPS
@@ -127,8 +130,7 @@ class PiecewiseGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                  split_ops: Sequence[str], cache_ids: set[int], stable_ids: set[int],
-                 compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
-                 state_for: Callable[[], PathPieces | None]) -> None:
+                 pieces: PieceCache, state_for: Callable[[], PathPieces | None]) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         cache_inputs = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                         if id(e) in cache_ids}
@@ -157,7 +159,7 @@ class PiecewiseGraph:
                 continue
             stable_pos = [j for j, a in enumerate(node.args)
                           if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in stable]
-            piece = StaticPiece(len(self.static), sub, stable_pos, compile_piece, self)
+            piece = StaticPiece(len(self.static), sub, stable_pos, pieces, self)
             piece.work = _is_work(sub)
             self.static.append(piece)
             setattr(self.split, node.target, piece)
@@ -181,8 +183,11 @@ class PathPieces:
         self.capturer = capturer
         self.warn = warn
         self.notes = notes
-        self.graphs: dict[int, tuple[RegionGraphs, _PieceCall]] = {}  # id(piece) -> its graphs
+        # a distinct piece (its key, or its id when it has none) -> its graphs
+        self.graphs: dict[Any, tuple[RegionGraphs, _PieceCall]] = {}
         self.piece_runs = 0  # static pieces run (replayed or not)
+        self.compiled = 0  # pieces this path compiled
+        self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
         self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
 
     @property
@@ -224,24 +229,34 @@ class StaticPiece(nn.Module):
     """A fixed-shape piece: compiled on its first call, replayed from a path's region graphs."""
 
     def __init__(self, index: int, gm: fx.GraphModule, stable_pos: list[int],
-                 compile_piece: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]],
-                 owner: PiecewiseGraph) -> None:
+                 pieces: PieceCache, owner: PiecewiseGraph) -> None:
         super().__init__()
         self.index = index
         self.gm = gm
         self.stable_pos = stable_pos
         self.stable_set = frozenset(stable_pos)
         self.arity = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-        self._compile = compile_piece
-        self._fn: Callable[..., Any] | None = None
+        self._pieces = [pieces]  # a list: not a submodule
+        self._fn: CompiledPiece | None = None
+        self.key: Any = None  # what makes it interchangeable with other pieces (piece_cache)
         self._single = _tuple_output(gm)
         self.work = True
-        self._owner = [owner]  # a list: not a submodule
+        self._owner = [owner]
+
+    def ensure(self, args: Sequence[Any], state: PathPieces | None) -> CompiledPiece:
+        """The compiled piece: compiled now, or the callable of an identical piece."""
+        if self._fn is None:
+            self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos)
+            self.key = key if key is not None else ("piece", id(self))
+            if state is not None:
+                if fresh:
+                    state.compiled += 1
+                else:
+                    state.shared += 1
+        return self._fn
 
     def run(self, args: list[Any]) -> Any:
-        if self._fn is None:
-            self._fn = self._compile(self.gm, list(args))
-        out = self._fn(*args)  # dynamo's calling convention, whatever _boxed_call says
+        out = self.ensure(args, None)(*args)  # dynamo's calling convention
         return out[0] if self._single else tuple(out)
 
     def forward(self, *args: Any) -> Any:
@@ -249,15 +264,18 @@ class StaticPiece(nn.Module):
         if state is None:
             return self.run(list(args))
         state.piece_runs += 1
+        fn = self.ensure(args, state)
         if state.capturer is None:
             return self.run(list(args))
-        entry = state.graphs.get(id(self))
+        entry = state.graphs.get(self.key)
         if entry is None:
             call = _PieceCall(self)
             graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
                                   warn=state.warn, notes=state.notes,
                                   label=f"{state.label} (piece {len(state.graphs)})")
-            entry = state.graphs[id(self)] = (graphs, call)
+            if fn.runs > 0:  # it ran already (in another graph or path): capture at once
+                graphs.ready = lambda args, kwargs: True
+            entry = state.graphs[self.key] = (graphs, call)
         graphs, call = entry
         stable = [args[j] for j in self.stable_pos]
         ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in stable]

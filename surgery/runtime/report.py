@@ -78,6 +78,10 @@ class RegionRecord:
     ops_between: int = 0
     split_ops: list[str] = field(default_factory=list)
     ops_between_run: int = 0
+    # distinct pieces this path compiled, and pieces it found compiled by an identical piece of
+    # another graph or block (surgery.runtime.piece_cache)
+    pieces_compiled: int = 0
+    pieces_shared: int = 0
 
     # The old names, kept for code written against them.
     @property

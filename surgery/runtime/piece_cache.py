@@ -1,0 +1,170 @@
+"""Compiled pieces shared across graphs and blocks: each distinct piece is compiled once.
+
+Why. A piecewise block (surgery.runtime.piecewise) is traced by dynamo once per cache
+structure: a list cache that grows one frame a step gives one dynamo graph per list length until
+its window is full (the SDPA example's camera trunk: 17 per instance), and a block whose forward
+takes a per-instance int (``cache[global_idx]``) traces its own graphs per instance. Splitting
+each of those graphs at attention and the cache gives static pieces that are *the same* FX code
+every time: the norms and projections before attention, and the projection, residual and MLP
+after it, never see the cache. The weights are graph inputs (dynamo lifts parameters to
+placeholders), so a piece compiled for one block runs any block of the same weight layout.
+Compiling every piece of every graph cost inductor (or aot_eager) one compile per piece per
+graph: 78 piece compiles for 6 distinct pieces on the tiny SDPA example.
+
+What is shared, and the key that makes two pieces interchangeable (``piece_key``):
+
+- **the code**: the piece's FX graph written out node by node, placeholders and values named by
+  position, targets by their qualified names, constants by ``repr``. A graph holding a
+  ``get_attr`` or ``call_module`` node (state outside its inputs) is never shared;
+- **the inputs' layout**: type, shape, strides, dtype, device and 16-byte alignment of every
+  tensor (what inductor specializes a static graph to), and the value of every Python scalar;
+  any other input makes the piece unshareable;
+- **which inputs are the block's parameters or buffers** (the region graphs read them in place);
+- **the global state the compile bakes in**: grad mode, inference mode, and the autocast state of
+  the CPU and CUDA;
+- **the compile plan** (backend and inductor config patches): the cache lives in one apply.
+
+A piece with the same key reuses the compiled callable, and, per region path, the same region
+graphs (surgery.runtime.piecewise_split.PathPieces): a capture is made once per path and piece,
+not once per graph, and since the callable already ran, the path's first call of it captures
+(``ready``) instead of waiting for a second one.
+
+What it does not do: it never compares weights (they are inputs), and a piece that fails the key
+(an unknown input type) compiles on its own, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+# Alignment inductor checks an input's data pointer against (its `ALIGNMENT`).
+_ALIGN = 16
+# Python scalars a key may hold by value (a piece specializes on them).
+_SCALARS = (bool, int, float, str, type(None))
+
+
+# Modules whose functions are known by their qualified name alone; any other target is also
+# known by its identity (two closures can share a qualified name).
+_NAMED = ("torch", "_operator", "operator", "math", "builtins")
+
+
+class _Unshareable(Exception):
+    """A graph holds something its text cannot name exactly (a tensor constant)."""
+
+
+def _name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    mod = getattr(target, "__module__", None) or ""
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    name = f"{mod}.{qual}" if qual else repr(target)
+    return name if mod.split(".")[0] in _NAMED else f"{name}@{id(target)}"
+
+
+def _arg(value: Any, ids: dict[fx.Node, int]) -> str:
+    if isinstance(value, torch.Tensor):
+        raise _Unshareable
+    if isinstance(value, fx.Node):
+        return f"%{ids[value]}"
+    if isinstance(value, list | tuple):
+        inner = ", ".join(_arg(v, ids) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner},)"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_arg(v, ids)}" for k, v in value.items()) + "}"
+    if isinstance(value, slice):
+        return f"slice({_arg(value.start, ids)}, {_arg(value.stop, ids)}, {_arg(value.step, ids)})"
+    return repr(value)
+
+
+def canonical_graph(gm: fx.GraphModule) -> str | None:
+    """The piece's code with every name replaced by its position; None if not shareable."""
+    ids: dict[fx.Node, int] = {}
+    lines: list[str] = []
+    for i, node in enumerate(gm.graph.nodes):
+        ids[node] = i
+        if node.op in ("get_attr", "call_module"):
+            return None
+        target = "" if node.op in ("placeholder", "output") else _name(node.target)
+        try:
+            lines.append(f"{node.op} {target} {_arg(node.args, ids)} {_arg(node.kwargs, ids)}")
+        except _Unshareable:
+            return None
+    return "\n".join(lines)
+
+
+def _layout(value: Any) -> tuple[Any, ...] | None:
+    if isinstance(value, torch.Tensor):
+        return (type(value).__name__, tuple(value.shape), value.stride(), value.dtype,
+                str(value.device), value.requires_grad,
+                value.data_ptr() % _ALIGN == 0 if value.device.type != "meta" else True)
+    if isinstance(value, _SCALARS):
+        return (type(value).__name__, value)
+    return None
+
+
+def global_state() -> tuple[Any, ...]:
+    """Grad mode, inference mode and autocast (CPU, CUDA): what a compile bakes in."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+              for d in ("cpu", "cuda")))
+
+
+def piece_key(gm: fx.GraphModule, args: Sequence[Any], stable_pos: Sequence[int]
+              ) -> tuple[Any, ...] | None:
+    """What makes two pieces interchangeable (see the module docstring); None: never shared."""
+    code = canonical_graph(gm)
+    if code is None:
+        return None
+    layouts = []
+    for a in args:
+        lay = _layout(a)
+        if lay is None:
+            return None
+        layouts.append(lay)
+    return (code, tuple(layouts), tuple(stable_pos), global_state())
+
+
+class CompiledPiece:
+    """A compiled piece and how often it ran (a piece that ran may be captured at once)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.runs = 0
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        self.runs += 1
+        return out
+
+
+@dataclass
+class PieceCache:
+    """The compiled pieces of one apply, by key, and what sharing them saved."""
+
+    compile_fn: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+    compiled: dict[tuple[Any, ...], CompiledPiece] = field(default_factory=dict)
+    compiles: int = 0  # pieces compiled
+    shared: int = 0  # pieces that took a callable already compiled
+    compile_s: float = 0.0  # seconds spent compiling pieces
+
+    def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int]
+            ) -> tuple[CompiledPiece, tuple[Any, ...] | None, bool]:
+        """(the compiled piece, its key, whether it was compiled now) for these inputs."""
+        key = piece_key(gm, args, stable_pos)
+        found = self.compiled.get(key) if key is not None else None
+        if found is not None:
+            self.shared += 1
+            return found, key, False
+        t0 = time.perf_counter()
+        piece = CompiledPiece(self.compile_fn(gm, args))
+        self.compile_s += time.perf_counter() - t0
+        self.compiles += 1
+        if key is not None:
+            self.compiled[key] = piece
+        return piece, key, True

@@ -1,0 +1,105 @@
+"""surgery.runtime.piece_cache: a piece that is the same code on the same input layout is compiled
+once, across the graphs of a growing list cache and across blocks; region graphs too."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+
+from surgery.runtime.compile_options import plan_region
+from surgery.runtime.piece_cache import PieceCache, canonical_graph, piece_key
+from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
+from surgery.runtime.report import RegionRecord
+from tests.test_graphs import FakeCapturer
+from tests.test_piecewise import RopeStack, piecewise_manifest
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _graph(fn: Any) -> fx.GraphModule:
+    return fx.symbolic_trace(fn)
+
+
+def norm_then_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (4,)) * w
+
+
+def same_with_other_names(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(inp, (4,)) * weight
+
+
+def other_eps(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (4,), eps=1e-3) * w
+
+
+def test_key_names_by_position_and_tells_layouts_and_state_apart() -> None:
+    a, b = _graph(norm_then_scale), _graph(same_with_other_names)
+    x, w = torch.randn(2, 4), torch.randn(4)
+    assert canonical_graph(a) == canonical_graph(b)  # names do not matter, positions do
+    assert piece_key(a, [x, w], [1]) == piece_key(b, [x, w], [1])
+    assert piece_key(a, [x, w], [1]) != piece_key(_graph(other_eps), [x, w], [1])  # a constant
+    assert piece_key(a, [x, w], [1]) != piece_key(a, [torch.randn(3, 4), w], [1])  # a shape
+    assert piece_key(a, [x, w], [1]) != piece_key(a, [x.t().contiguous().t(), w], [1])  # strides
+    assert piece_key(a, [x, w], [1]) != piece_key(a, [x.double(), w.double()], [1])  # dtype
+    assert piece_key(a, [x, w], [1]) != piece_key(a, [x, w], [])  # which inputs are weights
+    outside = piece_key(a, [x, w], [1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the compile bakes in
+        assert piece_key(a, [x, w], [1]) != outside
+    with torch.no_grad():
+        assert piece_key(a, [x, w], [1]) != outside
+
+
+def test_state_outside_the_inputs_is_never_shared() -> None:
+    lin = _graph(nn.Linear(4, 4))  # its weight is a get_attr: not an input
+    assert canonical_graph(lin) is None
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.add, (x, torch.ones(2))))  # a tensor constant
+    assert canonical_graph(fx.GraphModule(nn.Module(), g)) is None
+    assert piece_key(_graph(norm_then_scale), [torch.randn(2, 4), object()], []) is None
+    cache = PieceCache(lambda gm, args: gm.forward)
+    fns = [cache.get(lin, [torch.randn(2, 4)], [])[0] for _ in range(2)]
+    assert fns[0] is not fns[1] and cache.compiles == 2 and cache.shared == 0
+
+
+def test_list_cache_graphs_share_pieces_and_each_path_its_region_graphs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list cache gives one dynamo graph per length; their pieces are compiled once, and each
+    path keeps one set of region graphs per distinct piece, not per graph."""
+    compiled: list[int] = []
+    inner = PiecewiseGroup._compile_piece
+
+    def counting(self: PiecewiseGroup, gm: fx.GraphModule, example: list[Any]) -> Any:
+        compiled.append(len(example))
+        return inner(self, gm, example)
+
+    monkeypatch.setattr(PiecewiseGroup, "_compile_piece", counting)
+    model = RopeStack().eval()
+    ref = copy.deepcopy(model)
+    paths = ["blocks.0", "blocks.1"]
+    manifest = piecewise_manifest(model, paths, ["self.attn.kv_cache"])
+    region = manifest.regions[0]
+    plan = plan_region(manifest, region, overrides=None, on_cuda=False)
+    groups: dict[Any, Any] = {}
+    slots = [install_piecewise(model.get_submodule(p), "forward",
+                               RegionRecord(p, "piecewise", "forward", "pending"), region, plan,
+                               groups, FakeCapturer()) for p in paths]
+    with torch.inference_mode():
+        for s in range(8):
+            x = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(s))
+            torch.testing.assert_close(model(x), ref(x))
+    group = slots[0].group
+    pieces = sum(len(g.static) for g in group.graphs)
+    assert len(group.graphs) == 3 and pieces == 6  # lengths 0, 1, 2 (window 2), 2 pieces each
+    assert len(compiled) == group.pieces.compiles < pieces  # compiled once per distinct piece
+    assert group.pieces.shared == pieces - len(compiled)
+    recs = [s.record for s in slots]
+    assert sum(r.pieces_compiled for r in recs) == len(compiled)
+    assert sum(r.pieces_shared for r in recs) == pieces - len(compiled)
+    for slot in slots:
+        assert len(slot.graphs.graphs) == len(compiled)  # region graphs per distinct piece
+        assert slot.record.cuda_graph_replays >= 8
