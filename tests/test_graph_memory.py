@@ -356,30 +356,3 @@ def test_cuda_held_outputs_are_never_overwritten_with_shared_sets() -> None:
                 torch.testing.assert_close(out, value)
             kept = [k for k in kept if k[0] > step]
     assert sum(g.replays for g in graphs) > 50 and not any(g.disabled for g in graphs)
-
-
-def test_the_plan_estimates_the_graphs_output_sets_from_the_watched_calls() -> None:
-    """plan --input notes what one output set per region path would hold, from the bytes each
-    region's watched calls returned (counted here by hooks of our own)."""
-    from surgery.planning.observed import graph_outputs_bytes, manifest_from_evidence, watch_model
-
-    model = examples.tiny().eval()
-    x = model.example_input()
-
-    def step(m: nn.Module) -> object:
-        with torch.no_grad():
-            return m(x)
-
-    w = watch_model(model, step, steps=2, timed_steps=0)
-    notes: list[str] = []
-    manifest = manifest_from_evidence(w, source="test", notes=notes)
-    paths = [p for r in manifest.regions if r.callable == "forward" for p in r.paths]
-    seen: dict[str, int] = {}
-    hooks = [model.get_submodule(p).register_forward_hook(
-        lambda _m, _a, out, p=p: seen.__setitem__(p, out.nbytes)) for p in paths]
-    step(model)
-    for h in hooks:
-        h.remove()
-    assert paths and set(seen) == set(paths)
-    assert graph_outputs_bytes(w.obs, paths) == sum(seen.values()) > 0
-    assert any(n.startswith("region graphs: about ") for n in notes), notes

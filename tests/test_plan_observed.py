@@ -30,6 +30,7 @@ def test_plan_input_writes_evidence_and_prints_coverage(sdpa_plan) -> None:  # t
     assert res.exit_code == 0, res.output
     assert "coverage: " in res.output and "of the eager step inside regions" in res.output
     assert "eager " in res.output  # the remainders
+    assert "region graphs about " in res.output and "capture pool not estimated" in res.output
     m = load_manifest(out)  # validates against the schema
     paths = {p: r for r in m.regions for p in r.paths}
     # (Which small regions pass the time floor depends on this machine's clock; the shared
@@ -41,6 +42,11 @@ def test_plan_input_writes_evidence_and_prints_coverage(sdpa_plan) -> None:  # t
     assert "`cache` grew every step (0 to 8 tensors)" in left["camera_head.trunk.0"]
     assert m.coverage is not None and 0 < m.coverage["covered_share"] <= 1
     assert m.coverage["input"] == STEP and m.coverage["steps"] == 5
+    # What region graphs will hold (surgery.planning.graph_estimate), in the schema's keys.
+    assert m.coverage["graph_bytes"] == (m.coverage["graph_outputs_bytes"]
+                                         + m.coverage["graph_static_inputs_bytes"]) > 0
+    assert m.coverage["graph_bytes_unshared"] >= m.coverage["graph_bytes"]
+    assert "peak_estimate_bytes" not in m.coverage  # measured on CUDA only
     ev = paths["depth_head"].evidence
     assert ev is not None and ev["signatures"][0].startswith("feats=list(4)[f32[1,6,32]")
     # Same model, same fingerprint as a names-only plan: the weights were not changed.

@@ -71,6 +71,15 @@ def _render_coverage(cov: dict[str, Any]) -> None:
                    f"{cov['names_covered_share']:.1%}: kept the {kept} plan")
     for r in cov.get("remainder", []):
         click.echo(f"  eager {r['share']:>6.1%} {r['ms']:>9.3f} ms  {r['path']}")
+    if "graph_bytes" in cov:  # surgery.planning.graph_estimate
+        mib = 2**20
+        peak = (f"; peak about {cov['peak_estimate_bytes'] / mib:.1f} MiB (eager "
+                f"{cov['eager_peak_bytes'] / mib:.1f})" if "peak_estimate_bytes" in cov else "")
+        click.echo(f"  region graphs about {cov['graph_bytes'] / mib:>9.2f} MiB  (output sets "
+                   f"{cov['graph_outputs_bytes'] / mib:.2f}, static inputs "
+                   f"{cov['graph_static_inputs_bytes'] / mib:.2f}; "
+                   f"{cov['graph_bytes_unshared'] / mib:.2f} unshared; capture pool not "
+                   f"estimated){peak}")
 
 
 @cli.command(epilog=exit_epilog(0, 2, 3, 130))

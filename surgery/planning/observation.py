@@ -31,6 +31,14 @@ class Call:
     inner: int = 0  # hash of what ran inside (ops and child calls, recursively)
     subtree_ops: int = 0  # ops that launch, in the call and below (views not counted)
     out_bytes: int = 0  # bytes of the tensors a module call returned (graph memory estimate)
+    # What a region graph of it would hold (surgery.planning.graph_estimate): its tensor inputs
+    # as (storage address, bytes a static buffer of that layout takes), its outputs' distinct
+    # storages as (address, bytes), their layout, and how many calls had begun when the last
+    # of its output tensors was freed (-1: still alive when the watch ended).
+    ins: list[tuple[int, int]] = field(default_factory=list)
+    outs: list[tuple[int, int]] = field(default_factory=list)
+    layout: tuple[Any, ...] = ()
+    dead_at: int = -1
 
 
 @dataclass
@@ -56,6 +64,7 @@ class Observation:
     watched_step_ms: float = 0.0  # a step while watched (hooks and the function mode)
     hook_ms_per_call: float = 0.0  # the hooks' overhead per timed call, taken off each span
     timed_calls: list[tuple[str, int, float]] = field(default_factory=list)  # path, parent, ms
+    eager_peak_bytes: int = 0  # CUDA: the bare steps' peak allocated memory (0: not measured)
 
     def by_path(self) -> dict[str, list[Call]]:
         out: dict[str, list[Call]] = {}
@@ -184,9 +193,10 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Callable[[], None],
+def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Callable[..., None],
                  *, with_args: bool = False) -> tuple[nn.Module, str, bool, Any]:
-    """Wrap the method ``mp`` (``module.path.method``) on its instance; returns what undoes it."""
+    """Wrap the method ``mp`` (``module.path.method``) on its instance; returns what undoes it.
+    With ``with_args``, ``begin`` gets (mp, args, kwargs) and ``end`` the method's output."""
     mod_path, _, name = mp.rpartition(".")
     mod = model.get_submodule(mod_path)
     orig = getattr(mod, name)
@@ -198,7 +208,10 @@ def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Cal
         else:
             begin(mp)
         out = orig(*args, **kwargs)
-        end()
+        if with_args:
+            end(out)
+        else:
+            end()
         return out
 
     mod.__dict__[name] = wrapped

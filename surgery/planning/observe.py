@@ -27,6 +27,9 @@ What it records, and why each thing is needed to choose a compile region:
   (surgery.planning.observation.fold_times). What remains is the error of that average (hooks
   differ in cost, and a GPU-bound span hides host time), so ``hook_overhead_ms`` is reported
   beside the corrected figures.
+- **Memory**: each call's tensor inputs and outputs (addresses and bytes) and when its outputs
+  are freed, from which surgery.planning.graph_estimate estimates what region graphs will hold;
+  on a GPU, the bare steps' peak allocated memory.
 - **A step that never reached the model** (no module call seen while watched, none timed, or no
   measurable step time) is an error: a plan from it would be empty for no visible reason.
 
@@ -45,6 +48,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from surgery.errors import ModelSourceError
+from surgery.planning.graph_estimate import OutputWatch, record_inputs
 from surgery.planning.observation import (
     Call,
     Clock,
@@ -138,6 +142,7 @@ class _Watcher:
         self.restore: list[tuple[nn.Module, str, bool, Any]] = []
         self.methods = list(methods)
         self.snapshots: dict[int, tuple[dict[str, Any], list[tuple[str, Any, Any]]]] = {}
+        self.freed = OutputWatch(self.calls)  # when each call's outputs are freed
 
     def _enter(self, path: str, mod: nn.Module, fn: Callable[..., Any], key: Any,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -146,6 +151,7 @@ class _Watcher:
         parent = self.stack[-1] if self.stack else -1
         idx = len(self.calls)
         self.calls.append(Call(path, self.step, parent, sig))
+        record_inputs(self.calls[idx], args, kwargs)  # what a region graph of it would hold
         if parent >= 0:
             self.calls[parent].children.append(idx)
         containers = [(n, a, _state_token(a)) for n, a in named if isinstance(a, (list, dict))]
@@ -180,6 +186,7 @@ class _Watcher:
                     self.calls[self.stack[-1]].out_bytes = sum(
                         t.nbytes for t in torch.utils._pytree.tree_leaves(out)
                         if isinstance(t, torch.Tensor))
+                    self.freed.outputs(self.stack[-1], out)
                 self._exit(m)
 
             self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
@@ -192,7 +199,9 @@ class _Watcher:
                       mod: nn.Module = mod, orig: Any = orig) -> None:
                 self._enter(path, mod, orig, (type(mod), path), args, kwargs)
 
-            def end(mod: nn.Module = mod) -> None:
+            def end(out: Any, mod: nn.Module = mod) -> None:
+                if self.stack:
+                    self.freed.outputs(self.stack[-1], out)
                 self._exit(mod)
 
             self.restore.append(_wrap_method(self.model, mp, begin, end, with_args=True))
@@ -203,6 +212,7 @@ class _Watcher:
             h.remove()
         _unwrap(self.restore)
         self.handles.clear()
+        self.freed.close()
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -272,7 +282,11 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
                  "model.generate(...) or a loop over them; not a model of its own")
     if timed_steps <= 0:
         return obs
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     bare = [timed() for _ in range(timed_steps)]  # no hook installed: the figure that counts
+    if cuda:  # the eager peak, which plan's estimate of the peak with graphs adds to
+        obs.eager_peak_bytes = int(torch.cuda.max_memory_allocated())
     timer = _Timer(model, cuda=cuda, clock=clock, methods=methods)
     timer.reserve(2 * len(w.calls) // steps * timed_steps + 64)  # two marks a call
     with timer:

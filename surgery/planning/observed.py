@@ -33,6 +33,7 @@ from surgery.planning.compile_cost import (
 )
 from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, Choice, choose_regions, shares
 from surgery.planning.evidence import coverage as step_coverage
+from surgery.planning.graph_estimate import graph_coverage, graph_note
 from surgery.planning.observation import Clock, Observation
 from surgery.planning.observe import observe
 from surgery.planning.plan import PlanResult, reason_class, view_from_module
@@ -204,14 +205,15 @@ def manifest_from_evidence(w: Watched, *, source: str, include: Sequence[str] = 
     if not choice.regions:
         raise _empty(w, choice, source)
     cov = choice.coverage
+    graphs, open_rings = graph_coverage(w.obs, list(choice.regions))  # what graphs will hold
     if notes is not None:
         notes.extend(_coverage_notes(cov, versus))
         notes.append(cost_note(weighed.figures))
-        notes.append(graph_outputs_note(w.obs, list(choice.regions)))
+        notes.append(graph_note(graphs, len(choice.regions), open_rings))
     kinds = {c.path: c.kind for c in w.names.regions}
     manifest = _manifest(w.view, w.tensors, w.obs, choice, kinds=kinds, source=source,
                          compile=compile, light=weighed.light,
-                         extra={**(extra or {}), **versus, **weighed.figures})
+                         extra={**(extra or {}), **versus, **weighed.figures, **graphs})
     manifest.model["class"] = f"{type(w.model).__module__}.{type(w.model).__qualname__}"
     return manifest
 
@@ -228,24 +230,6 @@ def _coverage_notes(cov: dict[str, Any], versus: dict[str, Any]) -> list[str]:
                    f"time corrected for the hooks inside it); a watched step (signatures and "
                    f"ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
     return out
-
-
-def graph_outputs_bytes(obs: Any, paths: Sequence[str]) -> int:
-    """The plan's estimate of region-graph outputs (issue 20): one output set per region path
-    and signature, at the largest output its watched calls returned (module calls only)."""
-    largest: dict[tuple[str, Any], int] = {}
-    wanted = set(paths)
-    for c in obs.calls:
-        if c.path in wanted:
-            largest[(c.path, c.sig)] = max(largest.get((c.path, c.sig), 0), c.out_bytes)
-    return sum(largest.values())
-
-
-def graph_outputs_note(obs: Any, paths: Sequence[str]) -> str:
-    return (f"region graphs: about {graph_outputs_bytes(obs, paths) / 2**20:.1f} MiB of output "
-            f"sets before sharing (one per region path and signature, {len(set(paths))} "
-            "path(s); method regions not measured), plus static inputs and the capture pool; "
-            "apply_manifest's handle.report.memory says what they hold")
 
 
 _SHOWN_REASONS = 6  # reasons an empty plan lists, in its one line (within 1000 characters)

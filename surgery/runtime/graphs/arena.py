@@ -123,7 +123,7 @@ class BufferArena:
     def inputs_needed(self, tensors: list[torch.Tensor], which: list[int]) -> int:
         """Bytes of the new buffers ``static_inputs`` would make for these inputs."""
         keys = self._input_keys(tensors, which)
-        return sum(_strided_bytes(tensors[i]) for i, key in zip(which, keys, strict=True)
+        return sum(strided_bytes(tensors[i]) for i, key in zip(which, keys, strict=True)
                    if not (self.policy.share_inputs and key in self._inputs))
 
     def static_inputs(self, tensors: list[torch.Tensor], which: list[int]
@@ -194,7 +194,7 @@ class BufferArena:
         return self.limit is None or self.used() + nbytes <= self.limit
 
 
-def _strided_bytes(t: torch.Tensor) -> int:
+def strided_bytes(t: torch.Tensor) -> int:
     """Bytes ``torch.empty_strided(t.shape, t.stride())`` allocates."""
     if t.numel() == 0:
         return 0
@@ -214,5 +214,7 @@ def arena_of(capturer: Any) -> BufferArena:
 
 
 def fmt_bytes(n: int) -> str:
-    """Bytes for a person: GiB from 1 GiB, else MiB."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    """Bytes for a person: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
