@@ -24,11 +24,15 @@ precompiled artifacts' load), dynamo tracing, the backend (AOTAutograd + inducto
 included), CUDA graph capture, and the rest of those frames (running them: eager code, first
 kernel launches); per compiled group too. Then steady ms/frame (median, CUDA events), peak
 GPU memory, the graphs dynamo traced, and whether the warm process's reference output is
-bit-identical to the cold one's (the same kernels).
+bit-identical to the cold one's (the same kernels). The precompiled load is broken down
+(surgery.runtime.load_timing): the loader's one-time set-up (imports, the CPU's ISA probe), then
+per artifact its seconds with torch's own phases (inductor module load, Triton compile or bundle
+read, C++ builds), counters and imports; ``--profile`` adds a cProfile of the warm apply.
 
     python benchmarks/gpu_warm_start.py                       # sdpa, flux, hf_bert on CUDA
     python benchmarks/gpu_warm_start.py --models sdpa         # one model
     python benchmarks/gpu_warm_start.py --size tiny --device cpu   # CPU check (minutes)
+    python benchmarks/gpu_warm_start.py --models sdpa --profile    # + where the warm apply goes
 
 Prints a markdown table per model, then one JSON line.
 """
@@ -36,8 +40,10 @@ Prints a markdown table per model, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import secrets
 import shutil
 import sys
@@ -56,6 +62,7 @@ from _arms import child_result, latency, time_call  # noqa: E402
 MODELS = ("sdpa", "flux", "hf_bert")
 _MAX_FRAMES = 8  # frames to wait for the first replay before calling it a failure
 _STEADY = 20
+_PROFILE_ROWS = 40
 
 
 def bench_model() -> Any:
@@ -85,8 +92,12 @@ def bench_model() -> Any:
 def _frames_for(name: str, model: Any, device: str) -> tuple[Callable[[], Any],
                                                              Callable[[], Any]]:
     """(next frame, reference output): the sdpa model streams a new frame each call (same
-    seeds in both processes); the reference output is the last of a fixed run of frames as
-    long as the caches' windows, so both processes end in the same state."""
+    seeds in both processes); the reference output is the last of a fixed run of frames from a
+    reset stream. Reset, because a window's worth of frames does not bring two streams to one
+    state: each frame's keys come from features that attended over the frames before, so the
+    whole history leaks in (eager, CPU, tiny: after 17 frames the pose still differed by 4.9e-3
+    between a stream that ran 3 frames more and one that did not). Without the reset, two
+    processes that needed different numbers of frames to their first replay differ there."""
     import torch
 
     if name == "sdpa":
@@ -103,6 +114,7 @@ def _frames_for(name: str, model: Any, device: str) -> tuple[Callable[[], Any],
 
         def reference() -> Any:
             out = None
+            model.reset_stream()
             for i in range(span):
                 out = call(50_000 + i)
             return out
@@ -138,8 +150,19 @@ def _ready(records: list[Any], before: dict[str, tuple[int, int]], cuda: bool) -
     return all(r.compiles == before[r.path][1] for r in records)
 
 
+def _top(prof: cProfile.Profile, n: int = _PROFILE_ROWS) -> list[list[Any]]:
+    """The warm apply's profile: the n functions with the most cumulative time, as
+    [cumulative s, own s, calls, "file:line(function)"]."""
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{os.path.relpath(file, ROOT) if file.startswith(ROOT) else file}:{line}({fn})"
+        rows.append([round(cum, 3), round(own, 3), calls, where[-140:]])
+    return sorted(rows, key=lambda r: -r[0])[:n]
+
+
 def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
-              ref_path: str) -> dict[str, Any]:
+              ref_path: str, profile: bool = False) -> dict[str, Any]:
     """One fresh process: build, fill the stream, apply, frames to the first replay, steady
     frames, reference output; the cold one then saves the bundle."""
     import torch
@@ -177,10 +200,15 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         return round(sum(sum(metrics.get(k, [])) for k in keys), 3)
 
     overrides = {"on_cpu": "compile"} if not cuda else {}
+    prof = cProfile.Profile() if profile and phase == "warm" else None
     t0 = time.perf_counter()
     with torch.inference_mode():
+        if prof is not None:
+            prof.enable()
         handle = apply_manifest(model, manifest, overrides=overrides,
                                 cache=True if phase == "warm" else None)
+        if prof is not None:
+            prof.disable()
         apply_s = time.perf_counter() - t0
         records = handle.report.records
         frame_s, replayed = [], False
@@ -205,13 +233,19 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
             steady.append(ms)
         mark_step()
         ref = [t.detach().float().cpu() for t in _tensors(reference())]
-    loaded_s = sum(handle.precompiled.seconds.values()) if handle.precompiled else 0.0
+    pre_loaded = handle.precompiled
+    setup = pre_loaded.setup if pre_loaded else None
+    loaded_s = sum(pre_loaded.seconds.values()) + setup.seconds if pre_loaded and setup else 0.0
     cache = handle.report.cache
     out: dict[str, Any] = {
         "model": name, "phase": phase, "first_replay_s": round(first_s, 3),
         "replayed": replayed, "frames_to_replay": len(frame_s), "frame_s": frame_s,
         "apply_s": round(apply_s, 3), "bundle_s": round(load_s[0], 3),
-        "precompiled_load_s": round(loaded_s, 3), "tracing_s": tracing, "backend_s": backend,
+        "precompiled_load_s": round(loaded_s, 3),
+        "loader_setup": {"seconds": setup.seconds, "steps": setup.steps,
+                         "imported": setup.imported} if setup else None,
+        "profile": _top(prof) if prof is not None else [],
+        "tracing_s": tracing, "backend_s": backend,
         "capture_s": capture,
         "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
@@ -241,7 +275,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
-              keep: bool) -> list[dict[str, Any]]:
+              keep: bool, profile: bool = False) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
@@ -263,7 +297,8 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
         penv = {**env, "TORCHINDUCTOR_CACHE_DIR": cache,
                 "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
         res = child_result([__file__, "--phase", phase, "--models", name, "--manifest",
-                            manifest, "--bundle", bundle, "--device", device, "--ref", ref],
+                            manifest, "--bundle", bundle, "--device", device, "--ref", ref,
+                            *(["--profile"] if profile else [])],
                            env=penv, timeout=timeout, ident={"model": name, "phase": phase})
         results.append(res)
         if "error" in res:
@@ -310,7 +345,26 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{g['group']} x{g['paths']} (sigs {g['signatures']}, compile {g['compile_s']} s, "
             f"precompiled {g['precompiled']} load {g['load_s']} s, captures {g['captures']} "
             f"in {g['capture_s']} s)" for g in r["groups"]))
+        rows += _load_lines(r)
     return "\n".join(rows)
+
+
+def _load_lines(r: dict[str, Any]) -> list[str]:
+    """The precompiled load's breakdown: the loader's one-time set-up, then per artifact its
+    seconds, torch's phases (nested as torch nests them), counters and modules imported; then
+    the warm apply's profile when --profile ran."""
+    rows = []
+    if setup := r.get("loader_setup"):
+        rows.append(f"  loader set-up (once, before any artifact): {setup['seconds']} s "
+                    f"{setup['steps']}, {setup['imported']} modules imported")
+    for g in r["groups"]:
+        for a in g.get("artifacts", []):
+            rows.append(f"  load {a['group']}[{a['signature']}]: {a['seconds']} s; phases "
+                        f"{a['phases']}; counters {a['counts']}; {a['imported']} modules")
+    if r.get("profile"):
+        rows.append("  warm apply_manifest profile (cumulative s, own s, calls, function):")
+        rows += [f"    {c:8.3f} {o:8.3f} {n:6} {w}" for c, o, n, w in r["profile"]]
+    return rows
 
 
 def main() -> None:
@@ -326,6 +380,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=200, help="per process, seconds")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work folders (manifest, bundle, cache dirs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the warm process's apply_manifest; print its top functions")
     ap.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -333,7 +389,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.phase:
         print(json.dumps(run_phase(args.phase, args.models, args.manifest, args.bundle,
-                                   args.device, args.ref)))
+                                   args.device, args.ref, profile=args.profile)))
         return
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     models = [m for m in args.models.split(",") if m]
@@ -343,7 +399,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
-                             timeout=args.timeout, keep=args.keep)
+                             timeout=args.timeout, keep=args.keep, profile=args.profile)
     print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
     print(table(results))
     print()

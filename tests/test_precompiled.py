@@ -192,6 +192,26 @@ def test_precompiled_code_runs_without_dynamo_and_matches_eager(site, step, entr
     assert diff == 0  # aot_eager runs the same ops as eager
 
 
+def test_the_load_is_broken_down_per_artifact_after_a_one_time_setup(site) -> None:
+    """The loader's imports run once, on their own clock, before the first artifact; each
+    artifact then has its own seconds and torch's phases, under its group."""
+    _save(site, "step_inference")  # two signatures: two artifacts in one group
+    mod = _premod()
+    model = mod.build().eval()
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step_inference,
+                                overrides=AOT, cache=True, passes=1)
+    handle.restore()
+    loaded = handle.precompiled
+    assert loaded is not None and "imports" in loaded.setup.steps
+    (group,) = precompiled.group_breakdown(handle.groups, loaded)
+    arts = group["artifacts"]
+    assert [(a["group"], a["signature"]) for a in arts] == [("Block.forward", 0),
+                                                             ("Block.forward", 1)]
+    assert all(a["seconds"] > 0 for a in arts)
+    assert group["load_s"] >= sum(a["seconds"] for a in arts) - 1e-3
+
+
 def test_a_call_outside_the_artifacts_guards_compiles_with_dynamo(site) -> None:
     """A new signature has no artifact: dynamo compiles it, as without a bundle."""
     _save(site)
@@ -332,7 +352,7 @@ def test_format_3_layout_reads_back() -> None:
     meta, blob = bundle.read_bundle(str(GOLDEN / "format3.surgery.cache"), key=KEY)
     mega, section = bundle_parts.split_blob(meta, blob)
     assert mega == EMPTY_BLOB
-    assert bundle_parts.parse_precompiled(meta, section) == {"g": {"s": (b"artifact", MODES)}}
+    assert bundle_parts.parse_precompiled(meta, section) == {"g": {"s": (b"artifact", MODES, ())}}
 
 
 def test_a_format_3_bundle_cannot_be_cut_to_format_2(site) -> None:

@@ -6,8 +6,11 @@ framing, whose blob is the Mega-Cache part followed by the precompiled part
 where they split: its ``precompiled`` record (PRECOMPILED_KEY) holds ``format``
 (PRECOMPILED_FORMAT); ``bytes``, the part's length (the blob's last bytes); ``entries``, per
 artifact ENTRY_FIELDS (group identity text, signature text, the grad / inference / autocast
-modes it was traced and must be loaded under, offset, length); and ``notes``, what was left to
-the Mega-Cache part and why.
+modes it was traced and must be loaded under, offset, length) and, since the guard filter of
+surgery.runtime.portable, SOURCES_FIELD (the source spans inlined into it: [module, first line,
+last line, "sha256:..."], checked against this process's modules before it is loaded; an entry
+written before has none, and is read as before); and ``notes``, what was left to the Mega-Cache
+part and why.
 
 Both parts are under the one HMAC and ``format`` is in the signed metadata, so a format-3 file
 cannot be passed off as format 2 or cut into one. The record is the key holder's, yet every
@@ -25,6 +28,9 @@ FORMAT_PRECOMPILED = 3  # the bundle format whose blob is a Mega-Cache part, the
 PRECOMPILED_KEY = "precompiled"
 PRECOMPILED_FORMAT = 1
 ENTRY_FIELDS = ("group", "signature", "modes", "offset", "bytes")
+SOURCES_FIELD = "sources"  # optional in an entry (absent in bundles written before it)
+MAX_SOURCES = 2048  # spans one entry may list (a BERT layer inlines a few dozen)
+_DIGEST = "sha256:"
 # An entry's modes: {"grad": bool, "inference": bool, "autocast": [[device, dtype], ...]}.
 AUTOCAST_DEVICES = ("cpu", "cuda")
 AUTOCAST_DTYPES = ("bfloat16", "float16", "float32")
@@ -50,10 +56,12 @@ def split_blob(meta: Mapping[str, Any], blob: bytes) -> tuple[bytes, bytes]:
     return blob[:len(blob) - n], blob[len(blob) - n:]
 
 
-def parse_precompiled(meta: Mapping[str, Any], section: bytes
-                      ) -> dict[str, dict[str, tuple[bytes, dict[str, Any]]]]:
-    """{group identity: {signature text: (artifact bytes, modes)}} of a verified bundle ({} for
-    format 2). Raises PrecompiledError naming the first problem."""
+Parsed = dict[str, dict[str, tuple[bytes, dict[str, Any], tuple[tuple[Any, ...], ...]]]]
+
+
+def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> Parsed:
+    """{group identity: {signature text: (artifact bytes, modes, inlined source spans)}} of a
+    verified bundle ({} for format 2). Raises PrecompiledError naming the first problem."""
     if meta.get("format") != FORMAT_PRECOMPILED:
         return {}
     record = meta.get(PRECOMPILED_KEY)
@@ -67,7 +75,7 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes
     if record.get("bytes") != len(section):
         raise PrecompiledError(f"the precompiled part is {len(section)} bytes, its record "
                                f"says {str(record.get('bytes'))[:20]}")
-    out: dict[str, dict[str, tuple[bytes, dict[str, Any]]]] = {}
+    out: Parsed = {}
     end = 0
     for e in entries:
         if not isinstance(e, dict) or not all(k in e for k in ENTRY_FIELDS):
@@ -86,10 +94,30 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes
         end = off + n
         if sig in out.setdefault(group, {}):
             raise PrecompiledError("two precompiled entries for one group and signature")
-        out[group][sig] = (section[off:off + n], modes)
+        out[group][sig] = (section[off:off + n], modes, _sources(e.get(SOURCES_FIELD, [])))
     if end != len(section):
         raise PrecompiledError("the precompiled part has bytes no entry covers")
     return out
+
+
+def _sources(spans: Any) -> tuple[tuple[Any, ...], ...]:
+    """An entry's inlined source spans, checked: [module, first, last, "sha256:<64 hex>"]."""
+    if not isinstance(spans, list) or len(spans) > MAX_SOURCES:
+        raise PrecompiledError(f"a precompiled entry's sources are not a list of at most "
+                               f"{MAX_SOURCES} spans")
+    out = []
+    for sp in spans:
+        ok = isinstance(sp, list) and len(sp) == 4 and isinstance(sp[0], str) and \
+            0 < len(sp[0]) <= 200 and sp[0].isprintable() and \
+            type(sp[1]) is int and type(sp[2]) is int and 1 <= sp[1] <= sp[2] <= 10**7 and \
+            isinstance(sp[3], str) and sp[3].startswith(_DIGEST) and \
+            len(sp[3]) == len(_DIGEST) + 64 and \
+            all(c in "0123456789abcdef" for c in sp[3][len(_DIGEST):])
+        if not ok:
+            raise PrecompiledError("a precompiled entry's source span is not [module, first "
+                                   "line, last line, sha256 digest]")
+        out.append(tuple(sp))
+    return tuple(out)
 
 
 def _modes_ok(modes: Any) -> bool:

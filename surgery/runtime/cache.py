@@ -64,6 +64,7 @@ from surgery.runtime.bundle_env import ENV_KEYS, environment, environment_withou
 from surgery.runtime.bundle_parts import (
     FORMAT_PRECOMPILED,
     PRECOMPILED_KEY,
+    Parsed,
     count_entries,
     parse_precompiled,
     split_blob,
@@ -98,12 +99,12 @@ def _api_missing() -> str | None:
 class OpenedBundle:
     """What `open_bundle` made of a bundle: whether its Mega-Cache part went to torch, why (or
     what it held), and its precompiled artifacts (group identity -> signature text -> (bytes,
-    modes)),
-    which exist only when the bundle verified with the deployer's key and fits."""
+    modes, inlined source spans)), which exist only when the bundle verified with the
+    deployer's key and fits."""
 
     loaded: bool
     reason: str
-    precompiled: dict[str, dict[str, tuple[bytes, dict[str, Any]]]]
+    precompiled: Parsed
 
 
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
@@ -147,7 +148,7 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
 
 
 def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-           device: str) -> tuple[tuple[bytes, dict[str, Any]] | None, str]:
+           device: str) -> tuple[tuple[bytes, Parsed] | None, str]:
     """((Mega-Cache part, precompiled artifacts), "") when the bundle may be loaded, else
     (None, why)."""
     missing = _api_missing()

@@ -53,9 +53,18 @@ import torch
 
 from surgery.formats.manifest import Manifest
 from surgery.runtime.bundle import default_bundle_path, one_line
-from surgery.runtime.bundle_parts import PRECOMPILED_FORMAT
+from surgery.runtime.bundle_parts import PRECOMPILED_FORMAT, SOURCES_FIELD, Parsed
 from surgery.runtime.cache import open_bundle
 from surgery.runtime.call_example import Example, modes_of
+from surgery.runtime.load_timing import LoaderSetup, LoadTiming, prepare_loader, timed
+from surgery.runtime.portable import (
+    closure_identity,
+    closure_refs,
+    code_text,
+    guard_filter_for,
+    inlined_sources,
+    sources_problem,
+)
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
 
 # Backends whose compiled code torch serialises (inductor, and AOTAutograd-based ones).
@@ -73,29 +82,17 @@ def api_missing() -> str | None:
 
 
 def group_identity(target: Callable[..., Any], options: str) -> str | None:
-    """What an artifact must match to serve a group: function, its code and compile options.
+    """What an artifact must match to serve a group: function, its code (and its closure's:
+    a decorator's arguments and wrapped function) and compile options.
 
     None for a target that is not a plain Python function (a builtin, a callable object):
     those are not precompiled.
     """
     if not isinstance(target, types.FunctionType):
         return None
-    code = hashlib.sha256(_code_text(target.__code__).encode()).hexdigest()
+    text = code_text(target.__code__) + closure_identity(target)
+    code = hashlib.sha256(text.encode()).hexdigest()
     return json.dumps([target.__module__, target.__qualname__, f"sha256:{code}", options])
-
-
-def _code_text(obj: Any) -> str:
-    """What a code object does, as text that is the same in every process: not ``marshal``,
-    whose output follows reference counts, nor a frozenset's repr, which follows the hash seed."""
-    if isinstance(obj, types.CodeType):
-        return repr((obj.co_code.hex(), obj.co_names, obj.co_varnames, obj.co_freevars,
-                     obj.co_cellvars, obj.co_argcount, obj.co_kwonlyargcount, obj.co_flags,
-                     [_code_text(c) for c in obj.co_consts]))
-    if isinstance(obj, tuple):
-        return "(" + ",".join(_code_text(c) for c in obj) + ")"
-    if isinstance(obj, frozenset):
-        return "frozenset(" + ",".join(sorted(_code_text(c) for c in obj)) + ")"
-    return repr(obj)
 
 
 def signature_text(sig: Any) -> str:
@@ -119,29 +116,35 @@ class Section:
 
 
 def _compile_options(group: Any) -> tuple[str, dict[str, Any]]:
+    """The backend and torch.compile ``options``: the group's inductor config patches, and the
+    guard filter that keeps the artifact portable (surgery.runtime.portable)."""
     backend = group.backend.backend
     patches = group.backend.config_patches
-    if backend == "inductor":
-        return backend, {"options": dict(patches)} if patches else {}
-    return backend, {}
+    options: dict[str, Any] = {"guard_filter_fn": guard_filter_for(group.target)}
+    if backend == "inductor" and patches:
+        options.update(patches)
+    return backend, options
 
 
-def precompile_one(group: Any, module: Any, example: Example) -> bytes:
-    """Trace and compile the group's function for one example, ahead of time; its bytes."""
-    backend, extra = _compile_options(group)
+def precompile_one(group: Any, module: Any, example: Example) -> tuple[bytes, list[list[Any]]]:
+    """Trace and compile the group's function for one example, ahead of time: its bytes, and
+    the source spans inlined into it (surgery.runtime.portable, checked when it is loaded)."""
+    backend, options = _compile_options(group)
     # The function itself, not the group's fresh copy (surgery.runtime.budget): torch pickles
     # it by reference, which a copy with the same qualname fails (torch.nn.Linear.forward), and
     # an AOT compile fills no dynamo cache that the copy would keep apart.
     with torch._dynamo.config.patch(enable_aot_compile=True):
         compiled: Any = torch.compile(group.target, backend=backend, fullgraph=True,
-                                      dynamic=group.dynamic, **extra)
+                                      dynamic=group.dynamic, options=options)
     with example.modes():
         args, kwargs = example.build()
         full = (module, *args) if group.bound else args
         fn = compiled.aot_compile((full, kwargs))
-    saved = type(fn).serialize(fn)
+    refs = closure_refs(group.target)
+    saved = type(fn).serialize(fn, refs) if refs and _takes(type(fn).serialize, 2) \
+        else type(fn).serialize(fn)
     # torch 2.13 returns an AOTCompileSaveResult; the first releases of the path, the bytes.
-    return bytes(getattr(saved, "serialized_data", saved))
+    return bytes(getattr(saved, "serialized_data", saved)), inlined_sources(fn)
 
 
 def build_section(groups: Iterable[Any]) -> Section:
@@ -170,7 +173,9 @@ def build_section(groups: Iterable[Any]) -> Section:
                              "than tensors and scalars is not precompiled")
                 continue
             try:
-                blob = precompile_one(g, module, example)
+                blob, sources = precompile_one(g, module, example)
+                with example.modes():  # one that cannot be loaded back here is not written
+                    _load_function(blob, g.target)
             except Exception as e:  # torch's experimental path: the Mega-Cache part remains
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 notes.append(f"{g.target.__qualname__}: not precompiled "
@@ -178,19 +183,32 @@ def build_section(groups: Iterable[Any]) -> Section:
                 continue
             entries.append({"group": g.identity, "signature": signature_text(sig),
                             "modes": example.mode_record(), "offset": len(data),
-                            "bytes": len(blob)})
+                            "bytes": len(blob), SOURCES_FIELD: sources})
             data += blob
     return Section(bytes(data), entries, notes)
 
 
 # --- loading -----------------------------------------------------------------------------------
 
+def _takes(fn: Callable[..., Any], n: int) -> bool:
+    """Whether ``fn`` takes at least ``n`` positional arguments (torch's serialiser grew one)."""
+    try:
+        return len(inspect.signature(fn).parameters) >= n
+    except (TypeError, ValueError):
+        return False
+
+
 def _load_function(data: bytes, target: Callable[..., Any]) -> Any:
-    """torch's loader; given the function's globals where it takes them (torch 2.13 does)."""
+    """torch's loader; given the function's globals, and the functions of its closure
+    (surgery.runtime.portable.closure_refs), where this torch takes them (2.13+ does)."""
     load = torch.compiler.load_compiled_function
-    if "f_globals" in inspect.signature(load).parameters:
-        return load(io.BytesIO(data), f_globals=getattr(target, "__globals__", None))
-    return load(io.BytesIO(data))
+    params = inspect.signature(load).parameters
+    kwargs: dict[str, Any] = {}
+    if "f_globals" in params:
+        kwargs["f_globals"] = getattr(target, "__globals__", None)
+    if "external_data" in params and (refs := closure_refs(target)):
+        kwargs["external_data"] = refs
+    return load(io.BytesIO(data), **kwargs)
 
 
 class Artifact:
@@ -212,11 +230,15 @@ class Artifact:
 class Loaded:
     """The artifacts of a bundle that verified and fits, handed out to groups as they install."""
 
-    entries: dict[str, dict[str, tuple[bytes, dict[str, Any]]]]
+    entries: Parsed
     used: set[str] = field(default_factory=set)
+    stale: str = ""  # why a group's inlined code is not this process's (the first one)
     loaded: int = 0
     failed: str = ""  # why an artifact could not be loaded (the first one)
     seconds: dict[str, float] = field(default_factory=dict)  # per group identity, loading
+    setup: LoaderSetup = field(default_factory=LoaderSetup)  # once, before the first artifact
+    # per group identity, per artifact in load order
+    timings: dict[str, list[LoadTiming]] = field(default_factory=dict)
 
     def take(self, identity: str | None, target: Callable[..., Any]) -> dict[str, Artifact]:
         """The loaded artifacts for a group (signature text -> Artifact); {} when none fit.
@@ -226,19 +248,23 @@ class Loaded:
         """
         if identity is None or identity not in self.entries or identity in self.used:
             return {}
+        name = qualname_of(target)
+        for _, _, sources in self.entries[identity].values():
+            if why := sources_problem(sources):  # before a byte of it is unpickled
+                self.stale = self.stale or f"{name}: {why}"
+                return {}
         self.used.add(identity)
         out: dict[str, Artifact] = {}
         started = time.perf_counter()
         try:
-            for sig, (data, modes) in self.entries[identity].items():
+            for i, (sig, (data, modes, _)) in enumerate(self.entries[identity].items()):
                 try:
-                    with modes_of(modes):
+                    with timed(self.timings.setdefault(identity, []), name, i), \
+                            modes_of(modes):
                         fn = _load_function(data, target)
                 except Exception as e:  # torch's deserialiser, or its compatibility check
                     first = (str(e).strip().splitlines() or [""])[0][:200]
-                    self.failed = self.failed or (
-                        f"{getattr(target, '__qualname__', target)}: {type(e).__name__}: "
-                        f"{first}")
+                    self.failed = self.failed or f"{name}: {type(e).__name__}: {first}"
                     return {}
                 out[sig] = Artifact(fn)
         finally:
@@ -270,6 +296,8 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
         opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
         loaded, why = opened.loaded, opened.reason
         pre = Loaded(opened.precompiled) if opened.precompiled else None
+        if pre is not None:  # the loader's one-time cost, apart from the first group's
+            pre.setup = prepare_loader(device)
     if not loaded:
         notes.append(f"compile-cache bundle ignored: {why}")
         warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
@@ -283,7 +311,8 @@ def report_use(pre: Loaded, record: CacheRecord, *, notes: list[str]) -> None:
     record.precompiled, record.precompiled_unused = pre.loaded, pre.unused()
     problems = ([f"torch could not load one ({pre.failed})"] if pre.failed else []) + (
         [f"{pre.unused()} artifact(s) match no region group here (its code or compile options "
-         "changed since the bundle was built)"] if pre.unused() else [])
+         "changed since the bundle was built" + (f"; {pre.stale}" if pre.stale else "") + ")"]
+        if pre.unused() else [])
     if problems:
         why = one_line("; ".join(problems))
         notes.append(f"precompiled code in the bundle partly ignored: {why}")
@@ -294,17 +323,24 @@ def report_use(pre: Loaded, record: CacheRecord, *, notes: list[str]) -> None:
 def group_breakdown(groups: Iterable[Any], loaded: Loaded | None) -> list[dict[str, Any]]:
     """Where a start went, per compiled group (an ApplyHandle's ``groups``): its paths and
     signatures, backend compile time (AOTAutograd + inductor, cache hits included), artifacts
-    loaded and the time loading them, CUDA graphs captured and the time capturing them."""
+    loaded and the time loading them (per artifact with torch's phases: surgery.runtime.
+    load_timing), CUDA graphs captured and the time capturing them."""
     out = []
     for g in groups:
         slots = g.slots
         ident = g.identity
         out.append({
-            "group": getattr(g.target, "__qualname__", str(g.target)), "paths": len(slots),
+            "group": qualname_of(g.target), "paths": len(slots),
             "signatures": len(g.sigs), "compiles": sum(s.record.compiles for s in slots),
             "compile_s": round(g.backend.compile_s, 3), "precompiled": len(g.precompiled),
             "load_s": round(loaded.seconds.get(ident, 0.0), 3) if loaded and ident else 0.0,
             "precompiled_runs": sum(s.record.precompiled_runs for s in slots),
             "captures": sum(s.record.graphs_captured for s in slots),
-            "capture_s": round(sum(s.record.capture_s for s in slots), 3)})
+            "capture_s": round(sum(s.record.capture_s for s in slots), 3),
+            "artifacts": [t.as_dict() for t in loaded.timings.get(ident, [])]
+            if loaded and ident else []})
     return out
+
+
+def qualname_of(target: Any) -> str:
+    return str(getattr(target, "__qualname__", target))
