@@ -57,6 +57,11 @@ PIECEWISE_SPLIT_OPS: tuple[str, ...] = (
     "index_copy_", "index_put", "index_put_", "gather", "scatter", "narrow",
 )
 PIECEWISE_DEFAULT_SPLIT_OPS: tuple[str, ...] = ("scaled_dot_product_attention",)
+# Key of a piecewise table: the region stands by for these piecewise regions (a decoder stack
+# whose blocks it is) and runs only when they run eager (surgery.runtime.piecewise_stack).
+PIECEWISE_FALLBACK_FOR = "fallback_for"
+# Every key a piecewise table may hold.
+PIECEWISE_KEYS: tuple[str, ...] = ("split_ops", "dynamic", PIECEWISE_FALLBACK_FOR)
 # LingBot-Map's recipe: warm-up passes each opened with cudagraph_mark_step_begin().
 DEFAULT_WARMUP: dict[str, Any] = {"passes": 3, "mark_step": True}
 
@@ -76,7 +81,8 @@ class Region:
     # What a run showed (plan --input): observed signatures, calls a step, share of step time.
     evidence: dict[str, Any] | None = None
     # kind = "piecewise": where the block splits and what grows (surgery.runtime.piecewise):
-    # {"split_ops": [...], "dynamic": ["past_key_values:2", "self.attn.kv_cache"]}.
+    # {"split_ops": [...], "dynamic": ["past_key_values:2", "self.attn.kv_cache"]}, and for the
+    # blocks of a piecewise decoder stack "fallback_for": ["transformer"] (its path).
     piecewise: dict[str, Any] | None = None
     # plan --input: its signatures differ only in sizes, in these argument dims; it compiles once
     # with dynamic shapes, and its recorded signatures show `*` there.

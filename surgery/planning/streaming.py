@@ -48,6 +48,7 @@ from surgery.formats.manifest import (
 )
 from surgery.planning.blocks import is_cache_arg, is_index_arg
 from surgery.planning.regions import natural_key
+from surgery.planning.stacks import counted_regions, plan_stacks
 from surgery.planning.view import ModelView
 
 # The dim that grows in a transformers Cache's tensors: (batch, heads, length, head_dim).
@@ -172,12 +173,12 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
             kind=PIECEWISE_KIND, paths=sorted(paths, key=natural_key), module_class=cls,
             parameters=params, compile=budget,
             piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(found)}))
+    notes = plan_stacks(manifest, view) if chosen else []
     manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
     if chosen:
         manifest.model["covered_parameters"] = _covered(manifest, view)
-    notes = []
     if chosen:
-        notes.append(f"{len(chosen)} streaming block(s) planned piecewise (e.g. "
+        notes.insert(0, f"{len(chosen)} streaming block(s) planned piecewise (e.g. "
                      f"{min(chosen, key=natural_key)}): one graph each, split at attention and "
                      "the cache; the fixed-shape pieces run as region graphs")
     elif blocks:
@@ -197,7 +198,7 @@ def _within(path: str, block: str) -> bool:
 
 
 def _covered(manifest: Manifest, view: ModelView) -> int:
-    return sum(view.numel(p) for r in manifest.regions if r.callable == "forward"
+    return sum(view.numel(p) for r in counted_regions(manifest) if r.callable == "forward"
                for p in r.paths if p in view.modules)
 
 

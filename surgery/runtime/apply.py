@@ -36,6 +36,7 @@ from surgery.runtime.graphs.capture import Capturer, CudaCapturer
 from surgery.runtime.graphs.replay import RegionGraphs
 from surgery.runtime.groups import DimMarks, _Group
 from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
+from surgery.runtime.piecewise_stack import settle_standby
 from surgery.runtime.precompiled import Loaded, build_section, load_for_apply, report_use
 from surgery.runtime.report import (
     ApplyReport,
@@ -369,10 +370,13 @@ def _warm_up(handle: ApplyHandle, manifest: Manifest,
     report.warmup_passes = n
     report.dynamo_unique_graphs = counters["stats"]["unique_graphs"] - before
     unproven = []
+    standing_by = settle_standby(handle._slots, report)
     for slot in handle._slots:
         rec = slot.record
         if rec.status != "pending":
             continue
+        if id(slot) in standing_by:
+            continue  # a block of a piecewise stack: runs only if the stack runs eager
         if rec.calls == 0:
             rec.reason = "not called during warm-up"
         else:

@@ -59,7 +59,7 @@ import torch
 from torch import fx, nn
 
 from surgery.errors import RegionError
-from surgery.formats.manifest import Region
+from surgery.formats.manifest import PIECEWISE_KEYS, Region
 from surgery.runtime.budget import fresh_function, parameter_names
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
@@ -70,6 +70,7 @@ from surgery.runtime.piecewise_split import (
     PathPieces,
     PiecewiseGraph,
 )
+from surgery.runtime.piecewise_stack import fallback_of, standby_reason
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper
@@ -174,6 +175,7 @@ class PiecewiseSlot:
     marking: int = 0  # calls since the last compile, while < _STABLE_CALLS it marks
     cache_ids: set[int] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
+    standby: str | None = None  # the piecewise stack this block stands by for
 
     def __post_init__(self) -> None:
         self.graphs = PathPieces(self.module, self.capturer, warn=self._warn_graphs,
@@ -367,13 +369,14 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
     """Install the piecewise wrapper on ``mod.name`` (a block's forward)."""
     spec = region.piecewise or {}
     # A Manifest built in memory skipped the reader's schema: check the table again here.
-    unknown = sorted(set(spec) - {"split_ops", "dynamic"})
+    unknown = sorted(set(spec) - set(PIECEWISE_KEYS))
     split_ops = tuple(spec.get("split_ops", DEFAULT_SPLIT_OPS))
     bad = [op for op in split_ops if op not in SPLIT_OPS]
     if unknown or bad:
         raise RegionError(f"piecewise region {rec.path!r}: " + (
             f"unknown key(s) {unknown}" if unknown else f"split op(s) {bad} not allowed"),
-            region=rec.path, hint=f"keys: split_ops, dynamic; split ops: {list(SPLIT_OPS)}")
+            region=rec.path,
+            hint=f"keys: {', '.join(PIECEWISE_KEYS)}; split ops: {list(SPLIT_OPS)}")
     sources = [Source.parse(s, region=rec.path) for s in spec.get("dynamic", ())]
     own, eager, bound, target = callable_at(mod, name, path=rec.path)
     key = (id(target), plan.backend, split_ops)
@@ -388,6 +391,9 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
                          budget=plan.max_signatures if "max_signatures" in region.compile
                          else PIECEWISE_MAX_COMPILES)
     rec.signature_mode = "piecewise"
+    slot.standby = fallback_of(region)
+    if slot.standby is not None:
+        rec.reason = standby_reason(slot.standby)
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)  # type: ignore[arg-type]
     return slot

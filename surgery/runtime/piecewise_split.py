@@ -84,6 +84,37 @@ def classify(gm: fx.GraphModule, *, split_ops: Sequence[str], cache_inputs: set[
     return out
 
 
+# Size arithmetic that only reads metadata (never data): safe to run before anything else.
+_SIZE_OPS = {"numel", "size", "sym_size", "sym_numel", "sym_sum", "dim", "add", "sub", "mul",
+             "floordiv", "neg"}
+
+
+def hoist_sizes(gm: fx.GraphModule) -> int:
+    """Move size arithmetic on graph inputs (a decoder stack's ``cache.get_seq_length()``) to the
+    top, so it runs before the first piece instead of cutting it in two; returns how many moved.
+    Only SymInt results of metadata ops whose inputs are inputs or moved nodes: they read no
+    tensor data, so an in-place write later in the graph cannot change them."""
+    anchor = None
+    moved: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            anchor = node
+            continue
+        if anchor is None or node.op not in ("call_function", "call_method") or \
+                op_name(node) not in _SIZE_OPS or \
+                not isinstance(node.meta.get("example_value"), torch.SymInt) or \
+                not all(a.op == "placeholder" or a in moved for a in node.all_input_nodes):
+            continue
+        if node.prev is not anchor:
+            anchor.append(node)
+        anchor = node
+        moved.add(node)
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return len(moved)
+
+
 def _free(node: fx.Node) -> bool:
     return node.target in _FREE or op_name(node) in _FREE
 
@@ -136,6 +167,7 @@ class PiecewiseGraph:
                         if id(e) in cache_ids}
         stable = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                   if id(e) in stable_ids or isinstance(e, nn.Parameter)}
+        hoist_sizes(gm)
         between = _merge_free_runs(classify(gm, split_ops=split_ops, cache_inputs=cache_inputs))
         part: dict[fx.Node, int] = {}
         pid, last = 0, None

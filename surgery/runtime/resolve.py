@@ -25,6 +25,7 @@ from surgery.formats.keys import collision_error
 from surgery.formats.manifest import Manifest, Region, load_manifest
 from surgery.formats.ties import binding_variants, declared_ties, live_ties, ties_note
 from surgery.runtime.distributed import wrapped_child, wrapper_child
+from surgery.runtime.piecewise_stack import check_fallbacks, standby_nesting
 from surgery.runtime.report import SurgeryWarning
 
 ENV_MANIFEST = "SURGERY_MANIFEST"
@@ -239,16 +240,19 @@ def _methods(mod: nn.Module) -> list[str]:
 
 
 def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:
-    """A region inside a forward region would never run compiled: the outer graph inlines it."""
-    # Each path's own prefixes are looked up in a set: linear in the paths times their depth
+    """A region inside a forward region would never run compiled: the outer graph inlines it.
+    The one exception: a block standing by for its piecewise stack (runtime.piecewise_stack)."""
+    check_fallbacks(resolved)
+    # Each path's own prefixes are looked up in a dict: linear in the paths times their depth
     # (comparing every path with every forward path took 44 s for 8000 paths).
-    forwards = {p for r, p, _, _ in resolved if r.callable == "forward"}
+    forwards = {p: r for r, p, _, _ in resolved if r.callable == "forward"}
     for region, path, _, _ in resolved:
         owner = path if region.callable == "forward" else path.rsplit(".", 1)[0]
         parts = owner.split(".")
         for depth in range(len(parts), 0, -1):
             outer = ".".join(parts[:depth]) if depth < len(parts) else owner
-            if outer != path and outer in forwards:
+            if outer != path and outer in forwards and \
+                    not standby_nesting(region, path, outer, forwards[outer]):
                 raise RegionError(
                     f"region path {path!r} is inside region {outer!r}: the outer graph would "
                     "inline it, so it would never run its own compiled code", region=path,

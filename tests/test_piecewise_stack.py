@@ -1,0 +1,208 @@
+"""A decoder stack as one piecewise region (surgery.runtime.piecewise_stack, planned by
+surgery.planning.stacks): GPT-2 from transformers driven through generate(), tokens identical to
+eager in fp32, the cache as eager's, no recompile per token; its blocks stand by and take over
+when the stack cannot be one graph."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from surgery.errors import ManifestError, RegionError
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
+from surgery.planning.plan import plan_model
+from surgery.planning.stacks import STACK_MAX_COMPILES, drop_stacks
+from surgery.runtime.apply import apply_manifest
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+ON_CPU = {"backend": "aot_eager", "on_cpu": "compile"}
+NEW = 64
+
+
+def tiny_gpt2() -> nn.Module:
+    """A --model factory: GPT-2 at test size, random weights, no EOS (every run is NEW long)."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                  n_positions=128, bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def stack_plan() -> Manifest:
+    m = plan_model("tests.test_piecewise_stack:tiny_gpt2", piecewise=True).manifest
+    fingerprint = m.fingerprint
+    m = Manifest.from_dict(m.to_dict())  # through the file layout
+    validate(m.to_dict())
+    m.fingerprint = fingerprint
+    return m
+
+
+def generate(model: nn.Module, ids: torch.Tensor, n: int = NEW, **kw: Any) -> Any:
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          return_dict_in_generate=True, **kw)
+
+
+def same_as_eager(got: Any, want: Any, *, exact: bool = True) -> None:
+    """Every token equal, and the cache the stack grew equal to eager's, layer by layer (bit
+    for bit with aot_eager; inductor's fusions may round the last bit)."""
+    tol = {"rtol": 0, "atol": 0} if exact else {}
+    assert torch.equal(got.sequences, want.sequences)
+    cache, ref = got.past_key_values, want.past_key_values
+    assert len(cache.layers) == len(ref.layers)
+    for layer, rlayer in zip(cache.layers, ref.layers, strict=True):
+        assert layer.keys.shape == rlayer.keys.shape
+        assert layer.keys.shape[2] == got.sequences.shape[1] - 1  # the last token is not fed
+        torch.testing.assert_close(layer.keys, rlayer.keys, **tol)
+        torch.testing.assert_close(layer.values, rlayer.values, **tol)
+
+
+def test_plan_prefers_the_stack_and_keeps_the_blocks_standing_by() -> None:
+    m = stack_plan()
+    pw = {r.paths[0]: r for r in m.regions if r.kind == PIECEWISE_KIND}
+    assert sorted(pw) == ["transformer", "transformer.h.0"]
+    stack, blocks = pw["transformer"], pw["transformer.h.0"]
+    assert stack.piecewise == {"split_ops": ["scaled_dot_product_attention"],
+                               "dynamic": ["cache:2"]}
+    assert stack.compile == {"max_signatures": STACK_MAX_COMPILES}
+    assert blocks.paths == ["transformer.h.0", "transformer.h.1"]
+    assert blocks.piecewise["fallback_for"] == ["transformer"]
+    # the per-block layout of the same plan: no stack, no standby key
+    (per_block,) = [r for r in drop_stacks(stack_plan()).regions if r.kind == PIECEWISE_KIND]
+    assert per_block.paths == blocks.paths and "fallback_for" not in per_block.piecewise
+
+
+def test_stack_generates_eagers_tokens_and_cache_with_one_compile_per_mode() -> None:
+    """One stack graph a token: 64 tokens in fp32 as eager, batch 1 and 2 (left padding),
+    no_grad and inference_mode; once a mode has compiled, nothing is traced again."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = torch.Generator().manual_seed(0)
+        ids1, ids2 = torch.randint(0, 100, (1, 8), generator=g), torch.randint(0, 100, (2, 8),
+                                                                              generator=g)
+        handle = apply_manifest(model, stack_plan(), overrides=ON_CPU, passes=1,
+                                warmup=lambda m: generate(m, ids1, 2))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    stack = handle.report.by_path("transformer")
+    pieces: list[int] = []
+    for mode, ids, kw in [(torch.no_grad, ids1, {}), (torch.inference_mode, ids2,
+                                                       {"attention_mask": mask})]:
+        with mode():
+            want = generate(ref, ids, **kw)
+            same_as_eager(generate(model, ids, **kw), want)
+            graphs, compiles = counters["stats"]["unique_graphs"], stack.compiles
+            runs = stack.compiled_runs
+            same_as_eager(generate(model, ids, **kw), want)
+        assert counters["stats"]["unique_graphs"] == graphs  # no recompile per token
+        assert stack.compiles == compiles
+        assert stack.compiled_runs - runs == NEW  # one dynamo entry a token, the stack's
+        pieces.append(stack.pieces)
+    assert stack.status == "compiled", stack.reason
+    assert stack.compiles == 4  # prefill and decode, per mode and batch
+    # a decode step: one piece before the first attention, then one after each (the size
+    # arithmetic hoisted to the top); a padding mask adds its own ops between
+    assert pieces[0] == 3, pieces
+    assert {"cat", "scaled_dot_product_attention"} <= set(stack.split_ops)
+    assert "piecewise stack 'transformer' ran compiled in warm-up: 2 block path(s) stand by " \
+        "for it, 0 ran piecewise in its place" in handle.report.notes
+    for p in ("transformer.h.0", "transformer.h.1"):  # inlined by the stack's graph
+        rec = handle.report.by_path(p)
+        assert rec.status == "pending" and rec.calls == 0 and "stands by" in rec.reason
+
+
+def test_stack_that_breaks_falls_back_to_its_piecewise_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph break in mask creation: the stack runs eager with the reason, its blocks take
+    over piecewise, and the tokens stay eager's."""
+    import transformers.models.gpt2.modeling_gpt2 as gpt2
+
+    original = gpt2.create_causal_mask
+
+    def breaking(*args: Any, **kwargs: Any) -> Any:
+        torch._dynamo.graph_break()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gpt2, "create_causal_mask", breaking)
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(Warning, match="transformer"), torch.no_grad():
+        handle = apply_manifest(model, stack_plan(), overrides=ON_CPU, passes=1,
+                                warmup=lambda m: generate(m, ids, 2))
+        same_as_eager(generate(model, ids, 12), generate(ref, ids, 12))
+    assert "piecewise stack 'transformer' ran eager in warm-up: 0 block path(s) stand by for " \
+        "it, 2 ran piecewise in its place" in handle.report.notes
+    stack = handle.report.by_path("transformer")
+    assert stack.status == "eager" and "a graph break" in stack.reason, stack.reason
+    for p in ("transformer.h.0", "transformer.h.1"):
+        rec = handle.report.by_path(p)
+        assert rec.status == "compiled" and rec.pieces == 2, rec.reason
+
+
+def test_inductor_stack_tokens_identical() -> None:
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, stack_plan(),
+                                overrides={**ON_CPU, "backend": "inductor"})
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(2))
+    stack = handle.report.by_path("transformer")
+    with torch.no_grad():
+        want = generate(ref, ids, 16)
+        same_as_eager(generate(model, ids, 16), want, exact=False)
+        compiles = stack.compiles
+        same_as_eager(generate(model, ids, 16), want, exact=False)
+    assert stack.status == "compiled", stack.reason
+    # prefill, and decode; inductor lays out the prefill's k and v (the cache's first tensors)
+    # with other strides than the cat that grows it, so the first decode graph is traced again
+    # once for the cat's strides; then nothing more
+    assert compiles <= 3 and stack.compiles == compiles
+
+
+@pytest.mark.parametrize("fallback_for", [
+    pytest.param(["lm_head"], id="not-a-region"),
+    pytest.param(["transformer.h.1"], id="not-containing"),
+])
+def test_a_standby_that_names_no_containing_stack_is_refused(fallback_for: list[str]) -> None:
+    m = stack_plan()
+    (blocks,) = [r for r in m.regions if r.piecewise and "fallback_for" in r.piecewise]
+    blocks.piecewise["fallback_for"] = fallback_for
+    model = tiny_gpt2()
+    with pytest.raises(RegionError, match="stands by for"):
+        apply_manifest(model, m, overrides=ON_CPU)
+    assert "forward" not in vars(model.transformer.h[0])  # nothing left installed
+
+
+def test_blocks_inside_a_stack_without_fallback_for_are_refused() -> None:
+    m = stack_plan()
+    for r in m.regions:
+        if r.piecewise:
+            r.piecewise.pop("fallback_for", None)
+    with pytest.raises(RegionError, match="is inside region 'transformer'"):
+        apply_manifest(tiny_gpt2(), m, overrides=ON_CPU)
+
+
+@pytest.mark.parametrize("value", [
+    pytest.param(["transformer", "lm_head"], id="two-paths"),
+    pytest.param(["transformer/../x"], id="not-a-path"),
+    pytest.param([], id="empty"),
+    pytest.param("transformer", id="not-a-list"),
+])
+def test_the_schema_refuses_a_bad_fallback_for(value: Any) -> None:
+    data = stack_plan().to_dict()
+    (block,) = [r for r in data["region"] if "fallback_for" in r.get("piecewise", {})]
+    block["piecewise"]["fallback_for"] = value
+    with pytest.raises(ManifestError):
+        validate(data)
