@@ -4,6 +4,8 @@ graph (a replay reruns the captured work against the same buffers)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -162,13 +164,15 @@ def head_first_manifest(model: nn.Module) -> object:
 
 
 def head_first_limit(uncapped: object) -> int:
-    """Room for the pool, the head's buffers and half the blocks': the head is captured first,
-    and gives way when the blocks come (they all fit without it)."""
+    """Room for the pool, the capture stream's workspace, the head's buffers and half the
+    blocks': the head is captured first, and gives way when the blocks come (they all fit
+    without it)."""
     head = uncapped.by_path("head")  # type: ignore[attr-defined]
     head_buffers = head.outputs + head.static_inputs
     blocks = uncapped.outputs + uncapped.static_inputs - head_buffers  # type: ignore[attr-defined]
     assert head_buffers > blocks > 0
-    return uncapped.pool + head_buffers + blocks // 2  # type: ignore[attr-defined, no-any-return]
+    return (uncapped.pool + uncapped.capture_stream  # type: ignore[attr-defined, no-any-return]
+            + head_buffers + blocks // 2)
 
 
 def _stream(model: nn.Module, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -240,3 +244,61 @@ def test_cuda_the_cap_demotes_the_largest_path_and_the_peak_stays_under_it() -> 
     assert capped_peak - eager_peak <= limit, (eager_peak, capped_peak, free_peak, limit)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+class _StubGraph:
+    """Stands in for a torch.cuda.CUDAGraph: records its destruction."""
+
+    destroyed: ClassVar[list[int]] = []
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def replay(self) -> None: ...
+
+    def __del__(self) -> None:
+        _StubGraph.destroyed.append(self.n)
+
+
+def test_a_dropped_graph_is_parked_until_the_last_of_its_pool_goes() -> None:
+    """Destroying a CUDAGraph clears its capture stream's cuBLAS workspace, which the graphs
+    still alive on that stream use (pytorch#193402): a demoted path's graph waits, parked,
+    until the last graph of the pool is dropped."""
+    from surgery.runtime.graphs.capture import CudaCapturer, _PooledGraph
+
+    _StubGraph.destroyed.clear()
+    owner = CudaCapturer(0)  # no CUDA call until it captures
+    graphs = [_PooledGraph(_StubGraph(i), owner) for i in range(3)]  # type: ignore[arg-type]
+    assert owner.live == 3
+    del graphs[1]  # demoted: parked, not destroyed
+    assert _StubGraph.destroyed == [] and len(owner.parked) == 1
+    del graphs[0]
+    assert _StubGraph.destroyed == [] and len(owner.parked) == 2
+    graphs.clear()  # the last one: everything goes
+    assert sorted(_StubGraph.destroyed) == [0, 1, 2] and owner.parked == [] and owner.live == 0
+
+
+@pytest.mark.cuda
+def test_cuda_a_demoted_graph_leaves_the_others_replaying_right() -> None:
+    """Real graphs with matmuls on one capture stream: one is dropped (parked), the cache is
+    emptied, and the other keeps replaying correct results."""
+    from surgery.runtime.graphs.capture import CudaCapturer
+
+    cap = CudaCapturer(torch.cuda.current_device())
+    with torch.device("cuda"):
+        mods = [nn.Linear(512, 512), nn.Linear(512, 512)]
+    calls = [Calls(m) for m in mods]
+    graphs = [RegionGraphs(m, cap, c.raw, clone_outputs=False, warn=print, label=str(i))
+              for i, (m, c) in enumerate(zip(mods, calls, strict=True))]
+    with torch.no_grad():
+        for _ in range(3):
+            for g, c, m in zip(graphs, calls, mods, strict=True):
+                x = torch.randn(64, 512, device="cuda")
+                torch.testing.assert_close(g((x,), {}, c), m(x))
+        graphs[0].demote("test")
+        assert len(cap.parked) == 1 and cap.live == 1
+        torch.cuda.empty_cache()
+        for _ in range(3):
+            x = torch.randn(64, 512, device="cuda")
+            torch.testing.assert_close(graphs[1]((x,), {}, calls[1]), mods[1](x))
+    assert graphs[1].replays >= 4

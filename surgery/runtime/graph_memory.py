@@ -4,7 +4,10 @@ Why. On a LingBot-size streaming model the region graphs took the peak from 11.0
 to 15.8 GiB, and nothing said where the 4.7 GiB went. ``handle.report.memory`` says it now:
 per region path, the output sets (ring sets x their bytes), the static input buffers, and what
 its captures added to the capture pool; in total, the pool's size as the CUDA allocator reports
-it. ``summary()`` and ``print(handle.report)`` give it as one line.
+it, and what the capture stream keeps allocated (cuBLAS's workspace for that stream, 32 MiB
+by default on Hopper: the likeliest part of the ~30 MiB of GPT-2's overhead over eager's peak
+that the H200 run found the report did not account for). ``summary()`` and
+``print(handle.report)`` give it as one line.
 
 How it counts. Buffers are shared between paths (surgery.runtime.graphs.arena), so each storage
 is counted once, at the first path in manifest order that uses it; the paths then sum to the
@@ -119,7 +122,8 @@ def collect_memory(slots: Sequence[Any]) -> GraphMemory:
     mine = {p.path for p in paths}
     demoted = [(label, n) for a in arenas.values() for label, n in a.demoted
                if label.split(" (piece ")[0] in mine]
-    return GraphMemory(paths, pool, limit, over, demoted)
+    stream = sum(int(getattr(c, "stream_bytes", 0) or 0) for c in pools.values())
+    return GraphMemory(paths, pool, limit, over, demoted, stream)
 
 
 # Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint

@@ -323,6 +323,9 @@ class GraphMemory:
     over_cap: list[str] = field(default_factory=list)  # paths the cap kept a graph from
     # (path, bytes its graphs held alone): what the cap demoted, largest first, in order
     demoted: list[tuple[str, int]] = field(default_factory=list)
+    # What the capture stream keeps allocated (its cuBLAS workspace: CudaCapturer.stream_bytes),
+    # for as long as the process runs; no path's, so in the total only.
+    capture_stream: int = 0
 
     @property
     def outputs(self) -> int:
@@ -339,7 +342,7 @@ class GraphMemory:
 
     @property
     def total(self) -> int:
-        return self.outputs + self.static_inputs + self.pool
+        return self.outputs + self.static_inputs + self.pool + self.capture_stream
 
     def by_path(self, path: str) -> PathMemory:
         return next(p for p in self.paths if p.path == path)
@@ -349,7 +352,8 @@ class GraphMemory:
         unit, div = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
         text = (f"region graphs hold {self.total / div:.2f} {unit}: outputs "
                 f"{self.outputs / div:.2f}, static inputs {self.static_inputs / div:.2f}, pool "
-                f"{self.pool / div:.2f} ({len(self.paths)} path(s), "
+                f"{self.pool / div:.2f}, capture stream {self.capture_stream / div:.2f} "
+                f"({len(self.paths)} path(s), "
                 f"{sum(p.shared for p in self.paths)} shared buffer use(s))")
         if self.limit is not None:
             text += f"; max_graph_memory {self.limit / div:.2f} {unit}"

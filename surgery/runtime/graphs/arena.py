@@ -22,13 +22,13 @@ What is shared, and why it is safe.
   one cache's rotation never takes the sets another needs.
 - Nothing is kept alive here: the arena holds buffers weakly, the graphs that use them hold them.
 
-Accounting. ``used()`` is what the live buffers hold (each storage once) plus the capture
-pool's growth (``pool_bytes``, filled in by the capturer: on CUDA, the reserved memory each
-capture added). ``limit`` (``apply_manifest(max_graph_memory=...)``) is checked before each new
-buffer or capture: past it the largest paths give way first (surgery.runtime.graphs.demote) and
-run compiled without a graph. The pool's growth of a capture is known only after it (and comes
-in the allocator's segments, 2 MiB and up), so the cap holds to within the last admitted
-capture's pool growth.
+Accounting. ``used()`` is what the live buffers hold (each storage once) plus the capture pool's
+growth (``pool_bytes``, filled in by the capturer: on CUDA, the reserved memory each capture
+added) and what the capture stream keeps (``stream_bytes``: its cuBLAS workspace). ``limit``
+(``apply_manifest(max_graph_memory=...)``) is checked before each new buffer or capture: past it
+the largest paths give way first (surgery.runtime.graphs.demote) and run compiled without a
+graph. The pool's growth of a capture is known only after it (and comes in the allocator's
+segments, 2 MiB and up), so the cap holds to within the last admitted capture's pool growth.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class BufferArena:
         self.policy = policy or POLICY
         self.limit: int | None = None  # bytes; None: no cap
         self.pool_bytes = 0  # capture pool growth (the capturer adds to it)
+        self.stream_bytes = 0  # what the capture stream keeps (CudaCapturer.stream_bytes)
         # The capture pool's exact size (CudaCapturer.pool_reserved), read when a cap is set.
         self.pool_reader: Callable[[], int | None] | None = None
         self._ids = itertools.count()
@@ -187,7 +188,8 @@ class BufferArena:
 
     def used(self) -> int:
         pool = self.pool_reader() if self.pool_reader is not None else None
-        return sum(self.held_bytes()) + (self.pool_bytes if pool is None else pool)
+        return sum(self.held_bytes()) + (self.pool_bytes if pool is None else pool) + \
+            self.stream_bytes
 
     def admits(self, nbytes: int) -> bool:
         """Would ``nbytes`` more stay within the cap?"""

@@ -59,6 +59,13 @@ class CudaCapturer:
     pool with its last graph, and a freed pool's handle must not be reused (it trips an
     INTERNAL ASSERT in the caching allocator), so a new handle is taken whenever no graph of
     the old one is alive.
+
+    A graph that surgery drops while others of its pool live (restore of one handle, moved
+    parameters, a demotion under max_graph_memory) is parked, not destroyed, until the last
+    one goes: destroying a CUDAGraph clears the cuBLAS workspaces of its capture stream
+    (``CUDAGraph::reset`` -> ``clearCublasWorkspacesForStream`` in recent torch), which every
+    live graph captured on that one side stream still uses (pytorch#193402). Parking costs no
+    memory: the pool is shared and is freed only with its last graph anyway.
     """
 
     def __init__(self, device: int) -> None:
@@ -67,6 +74,11 @@ class CudaCapturer:
         self.live = 0  # graphs of the current pool still alive
         self.arena: Any = None  # surgery.runtime.graphs.arena.BufferArena, attached by its user
         self.last_growth = 0  # reserved bytes the last capture added (its pool's temporaries)
+        # What the side stream's warm-up runs left allocated: above all cuBLAS's workspace for
+        # the (handle, stream) pair, which captured matmuls use for good (PyTorch keeps one per
+        # stream; 32 MiB on Hopper by default, CUBLAS_WORKSPACE_CONFIG sets it).
+        self.stream_bytes = 0
+        self.parked: list[torch.cuda.CUDAGraph] = []  # dropped while others live (see above)
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
 
@@ -82,7 +94,9 @@ class CudaCapturer:
         graph = torch.cuda.CUDAGraph()
         reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.stream(side):
+            allocated = torch.cuda.memory_allocated(self.device)
             work()  # warm the side stream (cuBLAS workspace, lazy inits) outside the capture
+            self.stream_bytes += max(0, torch.cuda.memory_allocated(self.device) - allocated)
             graph.capture_begin(pool=self._pool)
             try:
                 work()
@@ -97,6 +111,7 @@ class CudaCapturer:
         if self.arena is not None:
             self.arena.pool_bytes += self.last_growth
             self.arena.pool_reader = self.pool_reserved
+            self.arena.stream_bytes = self.stream_bytes
         return _PooledGraph(graph, self)
 
     def pool_reserved(self) -> int | None:
@@ -124,7 +139,12 @@ class _PooledGraph:
         owner.live += 1
 
     def __del__(self) -> None:
-        self._owner.live -= 1
+        owner = self._owner
+        owner.live -= 1
+        if owner.live > 0:
+            owner.parked.append(self._graph)  # destroyed with the last one (CudaCapturer)
+        else:
+            owner.parked.clear()
 
 
 
