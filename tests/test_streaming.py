@@ -4,7 +4,6 @@ apply_manifest runs with no code from the user."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 
 import pytest
@@ -73,11 +72,14 @@ def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> No
         assert rec.status == "compiled" and rec.pieces == 2, rec.reason
 
 
-def test_indexed_camera_trunk_streams_6_frames_as_eager_and_stops_compiling_when_full() -> None:
-    """The camera trunk (cache[global_idx]) planned piecewise: each instance traces its own
-    graphs (one per list length, dynamo specializing the index), outputs match eager over 6
-    frames, the cache grows as in eager, and once the window is full nothing recompiles."""
-    from surgery.examples.sdpa import TINY_SDPA, SdpaExampleModel
+def test_indexed_camera_trunk_compiles_no_graph_while_its_window_fills() -> None:
+    """The camera trunk (``cache[global_idx]``, a 16-frame list window) planned piecewise, over
+    20 frames of tiny_sdpa: outputs and caches match eager every frame; dynamo compiles the
+    first frame's graph, then nothing while the window fills (a list length seen once runs the
+    block eager), then one graph per instance when the full window recurs, then nothing."""
+    from torch._dynamo.utils import counters
+
+    from surgery.examples import tiny_sdpa
 
     result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
     m = _round_trip(result.manifest)
@@ -85,30 +87,35 @@ def test_indexed_camera_trunk_streams_6_frames_as_eager_and_stops_compiling_when
     m.regions = [r for r in m.regions if r.paths[0].startswith("camera_head.trunk.")]
     assert len(m.regions) == 1 and m.regions[0].kind == PIECEWISE_KIND
     torch.manual_seed(0)
-    model = SdpaExampleModel(dataclasses.replace(TINY_SDPA, camera_window=3)).eval()
+    model = tiny_sdpa().eval()
+    window = model.camera_head.window
+    assert window == 16
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         handle = apply_manifest(model, m, overrides=ON_CPU)
     paths = m.regions[0].paths
-    compiles = []
+    graphs = []  # dynamo's unique graphs after each frame
     with torch.no_grad():
-        for s in range(6):
+        for s in range(20):
             x = model.example_input(seed=s)
             got, want = model(x), ref(x)
             for k in want:
                 torch.testing.assert_close(got[k], want[k])
             for slot, ref_slot in zip(model.camera_head.kv_cache, ref.camera_head.kv_cache,
                                       strict=True):
-                assert len(slot) == len(ref_slot) == min(s + 1, 3)
+                assert len(slot) == len(ref_slot) == min(s + 1, window)
                 torch.testing.assert_close(torch.cat(slot, 3), torch.cat(ref_slot, 3))
-            compiles.append([handle.report.by_path(p).compiles for p in paths])
+            graphs.append(counters["stats"]["unique_graphs"])
+    instances = len(paths)
+    assert len(set(graphs[:window + 1])) == 1, graphs  # frames 0-16: the first graph only
+    assert graphs[window + 1] == graphs[0] + instances  # the full window, once per instance
+    assert graphs[-1] == graphs[window + 1], graphs  # and never again
     for p in paths:
         rec = handle.report.by_path(p)
-        assert rec.status == "compiled" and rec.compiled_calls == 6, rec.reason
-    # one graph per list length for each instance (lengths 1 to 3, then 4: the append before
-    # the pop), then none while the window slides
-    assert compiles[:4] == [[1, 1], [2, 2], [3, 3], [4, 4]] and compiles[5] == [4, 4], compiles
+        assert rec.status == "compiled" and rec.compiles == 2, (rec.compiles, rec.reason)
+        assert rec.new_structure_calls == window  # lengths 1-16 before the append, once each
+        assert rec.compiled_calls == 20 - window and rec.eager_calls == window
 
 
 def test_indexed_blocks_over_the_budget_keep_their_treatment_with_the_figures(

@@ -42,12 +42,14 @@ Where it cannot work, the block runs eager with the reason in its record and one
 RegionFallbackWarning (``on_failure = "error"`` raises instead): a graph break inside the block
 (it compiles ``fullgraph``), a branch on the cache length, or more recompiles than its budget.
 A cache that is a Python list of fixed tensors (the example's sliding window) changes the
-graph's structure until the window is full: one compile per length, bounded by the budget.
+graph's structure until the window is full, and no dim can be marked for a list's length: a path
+compiles its first structure, and a further one only when it recurs (its first sighting runs the
+block eager), so a window that fills compiles once when full (surgery.runtime.cache_sources).
+The pieces of all those graphs are compiled once each (surgery.runtime.piece_cache).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import warnings
@@ -61,6 +63,13 @@ from torch import fx, nn
 from surgery.errors import RegionError
 from surgery.formats.manifest import PIECEWISE_KEYS, Region
 from surgery.runtime.budget import fresh_function, parameter_names
+from surgery.runtime.cache_sources import (
+    MAX_STRUCTURES,
+    Source,
+    cache_structure,
+    resolve_attr,
+    tensors_in,
+)
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.piece_cache import PieceCache
@@ -75,13 +84,6 @@ from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper
 
-# A dynamic-dim source: a forward argument name, or `self.` and a dotted attribute path of the
-# block, then an optional `:DIM` (the dim that grows). Identifiers never start with `_`.
-SOURCE_RE = re.compile(r"^(self(\.[A-Za-z][A-Za-z0-9_]*)+|[A-Za-z][A-Za-z0-9_]*)(:-?[0-9])?$")
-# How far the walk for cache tensors goes into a source (lists, dicts, plain objects), and how
-# many tensors it takes: a hostile manifest names a source, never a walk of unbounded size.
-_MAX_DEPTH = 4
-_MAX_TENSORS = 4096
 # Calls without a compile after which a path stops marking its cache (the graph is dynamic).
 _STABLE_CALLS = 2
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
@@ -95,63 +97,6 @@ _ACTIVE = threading.local()  # .slot: the piecewise path whose call is running
 
 def _active() -> PiecewiseSlot | None:
     return getattr(_ACTIVE, "slot", None)
-
-
-@dataclass
-class Source:
-    """Where a block's cache is: an argument or an attribute path, and the dim that grows."""
-
-    arg: str | None
-    attrs: tuple[str, ...]
-    dim: int | None
-
-    @classmethod
-    def parse(cls, text: str, *, region: str) -> Source:
-        m = SOURCE_RE.match(text)
-        if m is None:
-            raise RegionError(
-                f"piecewise region {region!r}: dynamic source {text!r} is neither a forward "
-                "argument nor `self.ATTR...`, with an optional `:DIM`", region=region,
-                hint="e.g. 'past_key_values:2' or 'self.attn.kv_cache'")
-        where, _, dim = text.partition(":")
-        parts = tuple(where.split("."))
-        if parts[0] == "self":
-            return cls(None, parts[1:], int(dim) if dim else None)
-        return cls(parts[0], (), int(dim) if dim else None)
-
-
-def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
-    """Tensors reachable from obj through sequences, dicts and plain objects (bounded)."""
-    if len(out) >= _MAX_TENSORS or depth > _MAX_DEPTH:
-        return
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            _tensors_in(o, out, depth + 1)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _tensors_in(o, out, depth + 1)
-    elif isinstance(obj, nn.Module) or obj is None or isinstance(obj, int | float | str | bool):
-        return
-    elif hasattr(obj, "__dict__"):
-        for o in vars(obj).values():
-            _tensors_in(o, out, depth + 1)
-
-
-def _resolve_attr(module: nn.Module, attrs: tuple[str, ...]) -> Any:
-    """module.a.b through submodules and the instance dict only (never a class attribute)."""
-    obj: Any = module
-    for a in attrs:
-        d = vars(obj) if hasattr(obj, "__dict__") else {}
-        mods = d.get("_modules") or {}
-        if a in mods:
-            obj = mods[a]
-        elif a in d:
-            obj = d[a]
-        else:
-            return None
-    return obj
 
 
 @dataclass
@@ -176,6 +121,9 @@ class PiecewiseSlot:
     cache_ids: set[int] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     standby: str | None = None  # the piecewise stack this block stands by for
+    # list-cache structures (surgery.runtime.cache_sources) seen, and those a compiled call ran on
+    seen: set[Any] = field(default_factory=set)
+    ran: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.graphs = PathPieces(self.module, self.capturer, warn=self._warn_graphs,
@@ -187,11 +135,20 @@ class PiecewiseSlot:
         if self.mode != "compiled":
             rec.eager_calls += 1
             return self.eager(*args, **kwargs)
-        if self.marking < _STABLE_CALLS:
-            try:
+        try:
+            shape = self._structure(args, kwargs)
+            if shape is not None and shape not in self.ran:
+                new = shape not in self.seen and len(self.seen) < MAX_STRUCTURES
+                self.seen.add(shape)
+                if new and rec.compiled_runs:  # a further structure: compiled when it recurs
+                    rec.eager_calls += 1
+                    rec.new_structure_calls += 1
+                    return self.eager(*args, **kwargs)
+                self.marking = 0  # this call may compile: mark, and find the cache afresh
+            if self.marking < _STABLE_CALLS:
                 self._mark(args, kwargs)
-            except Exception as exc:  # a source that cannot be marked: the block runs eager
-                return self._fail(exc, args, kwargs)
+        except Exception as exc:  # a source that cannot be read or marked: the block runs eager
+            return self._fail(exc, args, kwargs)
         compiles, runs = rec.compiles, rec.compiled_runs
         prev, _ACTIVE.slot = _active(), self
         try:
@@ -210,6 +167,8 @@ class PiecewiseSlot:
         self.marking = 0 if rec.compiles > compiles else self.marking + 1
         if rec.compiled_runs > runs:
             rec.compiled_calls += 1
+            if shape is not None and len(self.ran) < MAX_STRUCTURES:
+                self.ran.add(shape)
             if rec.status != "compiled":
                 rec.status, rec.reason = "compiled", ""
         else:
@@ -224,20 +183,34 @@ class PiecewiseSlot:
                          "structure keeps changing; runs eager")
         return out
 
-    def _mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Mark the growing dim of every cache tensor dynamic, and remember the cache tensors."""
-        self.cache_ids.clear()
+    def _roots(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """What each source names in this call: an argument's value or the attribute."""
         bound: dict[str, Any] | None = None
+        roots = []
         for src in self.sources:
             if src.arg is not None:
                 if bound is None:
                     bound = dict(zip(self.names, args, strict=False))
                     bound.update(kwargs)
-                root = bound.get(src.arg)
+                roots.append(bound.get(src.arg))
             else:
-                root = _resolve_attr(self.module, src.attrs)
+                roots.append(resolve_attr(self.module, src.attrs))
+        return roots
+
+    def _structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The list lengths under the sources without a dim (list caches), or None if none."""
+        if all(src.dim is not None for src in self.sources):
+            return None
+        roots = self._roots(args, kwargs)
+        return cache_structure([r for r, src in zip(roots, self.sources, strict=True)
+                                if src.dim is None])
+
+    def _mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Mark the growing dim of every cache tensor dynamic, and remember the cache tensors."""
+        self.cache_ids.clear()
+        for src, root in zip(self.sources, self._roots(args, kwargs), strict=True):
             found: list[torch.Tensor] = []
-            _tensors_in(root, found)
+            tensors_in(root, found)
             for t in found:
                 self.cache_ids.add(id(t))
                 if src.dim is None or t.dim() == 0:

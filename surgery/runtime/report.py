@@ -82,6 +82,9 @@ class RegionRecord:
     # another graph or block (surgery.runtime.piece_cache)
     pieces_compiled: int = 0
     pieces_shared: int = 0
+    # calls that ran eager because their list cache had a structure not seen before (it
+    # compiles when it recurs: surgery.runtime.cache_sources)
+    new_structure_calls: int = 0
 
     # The old names, kept for code written against them.
     @property

@@ -1,0 +1,128 @@
+"""Where a piecewise block's cache is (the manifest's ``dynamic`` sources), and its structure.
+
+A source names a forward argument (``past_key_values:2``) or an attribute path of the block
+(``self.attn.kv_cache``), with the dim that grows when the cache is a tensor. The runtime
+(surgery.runtime.piecewise) walks a source for its tensors, to mark the growing dim dynamic and
+to tell the split which graph inputs are the cache (surgery.runtime.piecewise_split). Every walk
+is bounded: a hostile manifest names a source, never a walk of unbounded size.
+
+**The structure of a list cache, and why a new one runs eager once.** Dynamo traces a Python
+list of tensors element by element, so a cache kept as a list (the SDPA example's sliding
+windows: one ``(k, v)`` per frame, or the camera trunk's ``cache[global_idx]``) gives one graph
+per list length until its window is full. No dim can be marked for a list's length
+(``mark_dynamic`` takes a tensor dim), and ``mark_unbacked`` does not apply either. On the H200
+the camera trunk's 4 indexed blocks compiled 68 graphs this way (17 lengths x 4 instances), each
+of them used once per stream, and the cold start went from 36.7 s to 124.4 s.
+
+So ``cache_structure`` gives the lengths of the lists and tuples under the sources that have no
+dim (tensors and scalars are leaves: a tensor's growth is the marked dim's business), and a
+piecewise path compiles its first structure at once (its first call proves the region, in
+warm-up), but a *further* structure only when it is seen the second time: the first time, the
+block runs its original forward. A window that fills runs eager while it fills and compiles
+once, when full; a stream that starts again compiles the lengths that recur, on their second
+sighting. Correctness never depends on this: dynamo's guards still choose the graph that runs,
+and an eager call is the model's own code; the rule only decides when a compile may happen.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.errors import RegionError
+
+# A dynamic-dim source: a forward argument name, or `self.` and a dotted attribute path of the
+# block, then an optional `:DIM` (the dim that grows). Identifiers never start with `_`.
+SOURCE_RE = re.compile(r"^(self(\.[A-Za-z][A-Za-z0-9_]*)+|[A-Za-z][A-Za-z0-9_]*)(:-?[0-9])?$")
+# How far a walk goes into a source (lists, dicts, plain objects), and how many tensors (or, for
+# the structure, items) it takes.
+MAX_DEPTH = 4
+MAX_TENSORS = 4096
+# Distinct structures a path remembers; past it every structure counts as seen (and compiles,
+# within the path's compile budget).
+MAX_STRUCTURES = 64
+
+
+@dataclass
+class Source:
+    """Where a block's cache is: an argument or an attribute path, and the dim that grows."""
+
+    arg: str | None
+    attrs: tuple[str, ...]
+    dim: int | None
+
+    @classmethod
+    def parse(cls, text: str, *, region: str) -> Source:
+        m = SOURCE_RE.match(text)
+        if m is None:
+            raise RegionError(
+                f"piecewise region {region!r}: dynamic source {text!r} is neither a forward "
+                "argument nor `self.ATTR...`, with an optional `:DIM`", region=region,
+                hint="e.g. 'past_key_values:2' or 'self.attn.kv_cache'")
+        where, _, dim = text.partition(":")
+        parts = tuple(where.split("."))
+        if parts[0] == "self":
+            return cls(None, parts[1:], int(dim) if dim else None)
+        return cls(parts[0], (), int(dim) if dim else None)
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    """Tensors reachable from obj through sequences, dicts and plain objects (bounded)."""
+    if len(out) >= MAX_TENSORS or depth > MAX_DEPTH:
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            tensors_in(o, out, depth + 1)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            tensors_in(o, out, depth + 1)
+    elif isinstance(obj, nn.Module) or obj is None or isinstance(obj, int | float | str | bool):
+        return
+    elif hasattr(obj, "__dict__"):
+        for o in vars(obj).values():
+            tensors_in(o, out, depth + 1)
+
+
+def resolve_attr(module: nn.Module, attrs: tuple[str, ...]) -> Any:
+    """module.a.b through submodules and the instance dict only (never a class attribute)."""
+    obj: Any = module
+    for a in attrs:
+        d = vars(obj) if hasattr(obj, "__dict__") else {}
+        mods = d.get("_modules") or {}
+        if a in mods:
+            obj = mods[a]
+        elif a in d:
+            obj = d[a]
+        else:
+            return None
+    return obj
+
+
+def _shape(obj: Any, depth: int, left: list[int]) -> Hashable:
+    if depth > MAX_DEPTH or left[0] <= 0:
+        return "..."
+    left[0] -= 1
+    if isinstance(obj, list | tuple):
+        if not obj or isinstance(obj[0], torch.Tensor):  # a list of tensors: its length
+            return len(obj)
+        return tuple(_shape(o, depth + 1, left) for o in obj)
+    if isinstance(obj, dict):
+        return tuple(_shape(o, depth + 1, left) for o in obj.values())
+    if isinstance(obj, torch.Tensor | nn.Module | int | float | str | bool) or obj is None:
+        return None
+    if hasattr(obj, "__dict__"):
+        return _shape(vars(obj), depth + 1, left)
+    return None
+
+
+def cache_structure(roots: Sequence[Any]) -> Hashable:
+    """The lengths of the lists and tuples under each root (bounded; see the docstring)."""
+    left = [MAX_TENSORS]
+    return tuple(_shape(r, 0, left) for r in roots)
