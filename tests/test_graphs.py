@@ -238,7 +238,9 @@ def test_past_the_ring_the_path_clones_and_says_so() -> None:
             kept.append((out, out.clone()))  # kept forever
     for out, value in kept:
         torch.testing.assert_close(out, value)
-    assert g.clone and g.output_sets == MAX_OUTPUT_SETS
+    # past the ring it clones, replaying into one more set (never held: it hands out clones)
+    assert g.clone and g.output_sets == MAX_OUTPUT_SETS + 1
+    assert calls.runs == 2 and g.replays == 2  # no call without the graph past the ring
     assert len(warned) == 1 and "still referenced" in warned[0]
 
 

@@ -43,8 +43,9 @@ The contract, which is what makes that safe:
   storage use counts are checked.
   When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
   v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
-  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
-  runs without a graph, one warning says so, and the path clones its outputs from then on.
+  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, one warning
+  says so, and the path clones its outputs from then on, replaying into one more set (never held,
+  since what it hands out are clones) while the ring's sets are still held.
   ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
 - **Collectives.** A path whose call issues a torch.distributed collective (a tensor-parallel
   all-reduce) is never captured and runs its compiled code without a graph; the reason is in
@@ -204,19 +205,22 @@ class RegionGraphs:
         # An output set whose last outputs nobody holds any more; checked in clone mode too,
         # since aliases returned before the switch may still live.
         outs = next((o for o in cap.sets if not o.held()), None)
-        grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
+        if outs is None and not self.clone and len(cap.sets) >= MAX_OUTPUT_SETS:
+            self.clone = True
+            self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
+                      "referenced (a long cache?), so a replay would overwrite one. The path "
+                      "clones its outputs from now on, replaying into one more output set while "
+                      "those are held; set clone_outputs = true on the region to start that way")
+        # A path that clones hands out copies, so a set it hands out from then on is never held:
+        # one set past the ring replays while the ring's own sets are still held (a window
+        # longer than the ring), instead of a call without the graph each time.
+        grow = outs is None and len(cap.sets) < MAX_OUTPUT_SETS + int(self.clone)
         if grow and not make_room(self.arena, self, self.arena.set_needed(cap.layout, set(),
                                                                           first=False)):
             grow = False
             self.clone = True  # clones live outside the graphs' memory
             self._over_cap("another output set for its ring", 0, "clones its outputs")
         if outs is None and not grow:
-            if not self.clone:
-                self.clone = True
-                self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
-                          "referenced (a long cache?), so a replay would overwrite one. That "
-                          "call ran without the graph, and the path clones its outputs from now "
-                          "on; set clone_outputs = true on the region to start that way")
             return run_compiled(args, kwargs)[0]
         inputs = cap.inputs
         for i in cap.copied:
