@@ -5,7 +5,10 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
   sdpa_names      `surgery plan --model` (names only), apply_manifest defaults
   sdpa_piecewise  `surgery plan --model --piecewise`: the 24 global blocks as piecewise regions
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
-  gpt2_piecewise  `plan --model ... --piecewise`: its 12 blocks piecewise, through generate()
+  gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
+                  its 12 blocks piecewise, each entered through dynamo every token
+  gpt2_stack      `plan --model ... --piecewise` as planned: `transformer` as ONE piecewise
+                  region (one dynamo entry a token), its blocks standing by
 
 Figures: ms a frame (median, p90; CUDA events) or ms per generate() call and per token, cold
 start, peak GPU memory above the weights, the eager step's coverage by the plan (a watched run:
@@ -17,6 +20,11 @@ whether every token equals eager's (GPT-2).
     python benchmarks/gpu_piecewise.py --all [--out results.json]       # on the H200
     python benchmarks/gpu_piecewise.py --arm sdpa_piecewise --frames 24  # one arm, this process
     python benchmarks/gpu_piecewise.py --all --tiny                      # the CPU smoke run
+    python benchmarks/gpu_piecewise.py --all --arms gpt2_eager,gpt2_piecewise,gpt2_stack --profile
+
+``--profile`` adds, to the GPT-2 arms, one cProfile'd generate() split into host-time shares
+(benchmarks/_host_profile.py): dynamo entry, pieces, attention, surgery's wrappers, the rest,
+and the dynamo entries per token.
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ from _arms import (  # noqa: E402
     print_arm_result,
     time_call,
 )
+from _host_profile import host_profile  # noqa: E402
 
-ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "gpt2_eager", "gpt2_piecewise")
+ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "gpt2_eager", "gpt2_piecewise",
+        "gpt2_stack")
 WARM = 20  # frames before timing: the camera trunk's window is 16
 NEW_TOKENS = 64
 
@@ -174,9 +184,12 @@ def run_gpt2(arm: str) -> dict[str, Any]:
 
     from surgery import apply_manifest
     from surgery.planning.plan import compile_defaults, plan_model
+    from surgery.planning.stacks import drop_stacks
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
+    if not cuda:  # the CPU smoke run: one thread, the shared machine's other cores are busy
+        torch.set_num_threads(1)
     out: dict[str, Any] = {"arm": arm}
     model = gpt2().to(dev)
     vocab = model.config.vocab_size
@@ -189,9 +202,13 @@ def run_gpt2(arm: str) -> dict[str, Any]:
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     handle = None
-    if arm == "gpt2_piecewise":
+    if arm in ("gpt2_piecewise", "gpt2_stack"):
         manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
                               piecewise=True).manifest
+        if arm == "gpt2_piecewise":  # the per-block layout, as before the stack region
+            drop_stacks(manifest)
+        elif not any(r.paths == ["transformer"] for r in manifest.regions):
+            raise RuntimeError("the plan has no stack region over `transformer`")
         out["regions"] = paths_per_kind(manifest)
         _coverage(model, lambda m: generate(m, 8), manifest, out)
         t0 = time.perf_counter()
@@ -218,6 +235,8 @@ def run_gpt2(arm: str) -> dict[str, Any]:
         out["tokens_identical"] = bool(torch.equal(tokens.cpu(), torch.load(ref)))
     if handle is not None:
         _piecewise_counts(handle, out)
+    if os.environ.get("GPU_PIECEWISE_PROFILE"):
+        out.update(host_profile(lambda: generate(model), tokens=NEW_TOKENS))
     return out
 
 
@@ -255,6 +274,14 @@ def table(results: list[dict[str, Any]]) -> str:
         cov = f"{r['coverage']:.1%}" if r.get("coverage") is not None else ""
         rows.append(f"| {r['arm']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {ve} | {vn} | "
                     f"{r['cold_s']:.1f} | {r['steady_peak_gib']:.2f} | {cov} | {pw} | {check} |")
+    prof = [r for r in results if "host_shares" in r]
+    if prof:
+        names = list(prof[0]["host_shares"])
+        rows += ["", "| arm | ms/token | profiled ms/token | dynamo entries/token | "
+                 + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+        rows += [f"| {r['arm']} | {r['ms_per_token']:.3f} | {r['profiled_ms_per_token']:.3f} | "
+                 f"{r['dynamo_entries_per_token']} | "
+                 + " | ".join(f"{r['host_shares'][n]:.1%}" for n in names) + " |" for r in prof]
     return "\n".join(rows)
 
 
@@ -267,9 +294,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=240, help="per arm, seconds")
     ap.add_argument("--tiny", action="store_true", help="test-size models (the CPU smoke run)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPT-2 arms: add one profiled generate()'s host-time shares")
     args = ap.parse_args()
     if args.tiny:
         os.environ["GPU_PIECEWISE_SIZE"] = "tiny"
+    if args.profile:
+        os.environ["GPU_PIECEWISE_PROFILE"] = "1"
     if args.arm:
         run = (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
             (lambda: run_sdpa(args.arm, args.frames))

@@ -35,8 +35,18 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-def stack_plan() -> Manifest:
-    m = plan_model("tests.test_piecewise_stack:tiny_gpt2", piecewise=True).manifest
+def tiny_llama() -> nn.Module:
+    """A --model factory: Llama at test size (RMSNorm, RoPE, grouped kv heads), random weights."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                   max_position_embeddings=128, bos_token_id=None,
+                                   eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def stack_plan(factory: str = "tiny_gpt2") -> Manifest:
+    m = plan_model(f"tests.test_piecewise_stack:{factory}", piecewise=True).manifest
     fingerprint = m.fingerprint
     m = Manifest.from_dict(m.to_dict())  # through the file layout
     validate(m.to_dict())
@@ -150,6 +160,31 @@ def test_stack_that_breaks_falls_back_to_its_piecewise_blocks(
         assert rec.status == "compiled" and rec.pieces == 2, rec.reason
 
 
+def test_llama_stack_generates_eagers_tokens_without_recompiles() -> None:
+    """A second architecture: Llama's `model` (rotary embeddings computed in the stack) is one
+    piecewise region, planned by the same names rule."""
+    from torch._dynamo.utils import counters
+
+    m = stack_plan("tiny_llama")
+    stack, blocks = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+    assert stack.paths == ["model"] and blocks.paths == ["model.layers.0", "model.layers.1"]
+    assert blocks.piecewise["fallback_for"] == ["model"]
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, m, overrides=ON_CPU)
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3))
+    rec = handle.report.by_path("model")
+    with torch.no_grad():
+        want = generate(ref, ids, 32)
+        same_as_eager(generate(model, ids, 32), want)
+        graphs = counters["stats"]["unique_graphs"]
+        same_as_eager(generate(model, ids, 32), want)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert rec.status == "compiled" and rec.compiles == 2 and rec.pieces == 3, rec.reason
+
+
 def test_inductor_stack_tokens_identical() -> None:
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
@@ -206,3 +241,28 @@ def test_the_schema_refuses_a_bad_fallback_for(value: Any) -> None:
     block["piecewise"]["fallback_for"] = value
     with pytest.raises(ManifestError):
         validate(data)
+
+
+@pytest.mark.cuda
+def test_stack_on_cuda_replays_its_pieces_and_tokens_match() -> None:
+    """On CUDA with inductor: the stack's pieces are captured and replayed as region graphs,
+    the tokens are eager's over 64, the cache (k and v held across steps) matches eager's."""
+    model = tiny_gpt2().cuda()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, stack_plan())
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    stack = handle.report.by_path("transformer")
+    with torch.no_grad():
+        want = generate(ref, ids)
+        same_as_eager(generate(model, ids), want, exact=False)
+        compiles, replays = stack.compiles, stack.cuda_graph_replays
+        same_as_eager(generate(model, ids), want, exact=False)
+    assert stack.status == "compiled", stack.reason
+    assert stack.compiles == compiles <= 3  # prefill, decode (and the cat's strides once)
+    # a decode step replays every piece: 3 for 2 blocks
+    assert stack.cuda_graph_replays - replays >= 3 * (NEW - 1), (stack.graphs_captured,
+                                                                stack.notes)
+    assert all(handle.report.by_path(p).calls == 0 for p in ("transformer.h.0",
+                                                             "transformer.h.1"))
