@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -146,3 +147,37 @@ def test_names_groups_are_never_light_and_a_large_group_is_not() -> None:
     w = weigh_compile_cost(obs, choice.groups, [], small,
                            compile=compile_defaults(backend="aot_eager"))
     assert w.light == set() and w.figures["inductor_compiles"] == 0
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_light_region_is_traced_by_aot_eager_and_replays_its_graph() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the GPU machine")
+    torch._dynamo.reset()
+    model = Net().cuda().eval()
+    x = X.cuda()
+
+    def gpu_step(m: nn.Module) -> None:
+        with torch.no_grad():
+            m(x)
+
+    hooks = virtual_time(model, {Block: 1e-3, Embed: 1e-5})
+    try:
+        m = plan_from_step(model, gpu_step, steps=2, timed_steps=3, clock=lambda: NOW[0])
+    finally:
+        for h in hooks:
+            h.remove()  # type: ignore[attr-defined]
+    assert _regions(m)["embed"].compile.get("backend") == LIGHT_BACKEND
+    with torch.no_grad():
+        ref = model(x)
+    handle = apply_manifest(model, m, warmup=gpu_step)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(x), ref)
+        recs = {r.path: r for r in handle.report}
+        assert recs["embed"].options["backend"] == LIGHT_BACKEND
+        assert recs["blocks.0"].options["backend"] == "inductor"
+        assert recs["embed"].cuda_graph_replays >= 1 and recs["blocks.0"].cuda_graph_replays >= 1
+    finally:
+        handle.restore()

@@ -42,7 +42,7 @@ class Net(nn.Module):
         self.body = Tokens()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x, torch.ones(1, 8))
+        return self.body(x, torch.ones(1, 8, device=x.device))
 
 
 def _manifest(model: nn.Module, dims: dict[str, list[int]]) -> Manifest:
@@ -114,3 +114,21 @@ def test_marks_a_caller_set_are_kept() -> None:
     with DimMarks({"x": [0]}, ["x"]).applied((x,), {}):
         assert x._dynamo_weak_dynamic_indices == {0, 1}
     assert x._dynamo_weak_dynamic_indices == {1}
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_inductor_compiles_a_batch_that_varies_once() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the GPU machine")
+    torch._dynamo.reset()
+    model = Net().cuda().eval()
+    handle = apply_manifest(model, _manifest(model, {"x": [0]}), overrides={"capture": "compiler"})
+    try:
+        with torch.no_grad():
+            for b in (2, 3, 5, 9):
+                x = torch.randn(b, 4, 8, device="cuda")
+                torch.testing.assert_close(model(x), model.body.lin(x) + 4)
+        rec = handle.report.records[0]
+        assert rec.status == "compiled" and rec.compiles == 1, (rec.compiles, rec.reason)
+    finally:
+        handle.restore()

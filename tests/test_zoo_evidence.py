@@ -35,7 +35,7 @@ PACKAGE = {**_PACKAGE, "gpt2_generate": "transformers", "gpt2_generate_static": 
 
 
 @functools.cache
-def _evidence_plan(name: str) -> tuple[Any, Manifest]:
+def _evidence_plan(name: str, **kw: Any) -> tuple[Any, Manifest]:
     torch.manual_seed(0)
     model = FACTORIES[name]().eval()
     run = DRIVERS[name]
@@ -44,7 +44,7 @@ def _evidence_plan(name: str) -> tuple[Any, Manifest]:
         with torch.no_grad():
             run(m)
 
-    return model, plan_from_step(model, step, steps=2, timed_steps=2)
+    return model, plan_from_step(model, step, steps=2, timed_steps=2, **kw)
 
 
 def _params() -> list[Any]:
@@ -70,9 +70,10 @@ def test_evidence_covers_at_least_the_names_only_plan_and_never_zero(name: str) 
                                                marks=_needs("transformers"))])
 def test_generate_with_a_static_cache_plans_the_whole_decoder(name: str) -> None:
     """A static cache keeps one shape per phase (prefill, then one token a step): the whole
-    transformer is one region, where the dynamic cache leaves each block out (its KV grows)."""
+    transformer is one region, where the dynamic cache leaves each block out of a plain plan
+    (its KV grows; by default those blocks are then piecewise, tests/test_evidence_cache.py)."""
     _, static = _evidence_plan(name)
-    _, dynamic = _evidence_plan("gpt2_generate")
+    _, dynamic = _evidence_plan("gpt2_generate", piecewise=False)
     assert [p for r in static.regions for p in r.paths] == ["transformer"]
     left = {lo.path: lo.reason for lo in dynamic.left_out}
     assert "what ran inside changed" in left["transformer.h.0"]

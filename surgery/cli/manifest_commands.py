@@ -111,10 +111,13 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 @click.option("--fold", is_flag=True, help="Compile a fixed-shape container whose blocks are "
               "all regions (e.g. aggregator.patch_embed) as ONE region: fewer CUDA-graph "
               "replays per step, faster on launch-bound models (benchmarks/RESULTS.md).")
-@click.option("--piecewise", is_flag=True, help="With --model: plan each streaming block "
-              "(attention over a growing cache) as ONE piecewise region: one graph split at "
-              "attention and the cache, its fixed-shape pieces captured as CUDA graphs "
-              "(surgery/runtime/piecewise.py), instead of leaving it out.")
+@click.option("--piecewise/--no-piecewise", default=None, help="With --model: plan each "
+              "streaming block (attention over a growing cache) as ONE piecewise region: one "
+              "graph split at attention and the cache, its fixed-shape pieces captured as CUDA "
+              "graphs (surgery/runtime/piecewise.py), instead of leaving it out. Default: off "
+              "by names; with --input, on where the plain plan covers under half of the step "
+              "and the piecewise blocks at least twice as much (surgery/planning/"
+              "compile_cost.py).")
 @click.option("--capture", type=click.Choice(["compiler", "region"]),
               help="Who captures CUDA graphs. 'region' (default): surgery captures one graph per "
               "region path and replays it without entering dynamo, which cuts the host time of "
@@ -142,7 +145,7 @@ def _render_coverage(cov: dict[str, Any]) -> None:
 def plan(source: str | None, model_spec: str | None, output: str | None, force: bool,
          key: str | None, prefix: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], backend: str | None, mode: str | None, fold: bool,
-         piecewise: bool, capture: str | None, fmt: str | None, input_spec: str | None,
+         piecewise: bool | None, capture: str | None, fmt: str | None, input_spec: str | None,
          steps: int,
          device: str, dtype: str, as_json: bool) -> None:
     """Write a manifest of compile regions for a checkpoint or a live model.
@@ -206,7 +209,7 @@ def plan(source: str | None, model_spec: str | None, output: str | None, force: 
                                    exclude=exclude, compile=comp, piecewise=piecewise)
         else:
             result = planner.plan_model(model_spec, include=include, exclude=exclude,
-                                        compile=comp, fold=fold, piecewise=piecewise)
+                                        compile=comp, fold=fold, piecewise=bool(piecewise))
     text = dumps_manifest(result.manifest)
     if out == "-":
         click.echo(text, nl=False)

@@ -25,6 +25,18 @@ the step. So:
 - Without region capture (the compiler's own graphs, or none), aot_eager would save nothing, so
   a light group is **left out** with the reason ("not worth its compile: ...").
 
+**Piecewise by default, where it is most of the step.** A streaming block (attention over a
+growing cache: GPT-2 in ``generate()``) is left out of a plain plan, and ``--piecewise``
+(surgery.planning.streaming) makes it one piecewise region. On an H200 that was the difference
+between a plan slower than eager (GPT-2's 12 MLP graphs: 0.69x, 9% of the step) and 1.13x at
+90% of the step, for a cold start of 30 s against 9 s; on the SDPA example it was 2.5x the
+names plan for 9 s more cold start (70% of the step against 43%). So an evidence plan that is
+not told (``piecewise=None``) tries it and keeps it when the plain plan covers less than
+``AUTO_PIECEWISE_BELOW`` of the step and the piecewise regions at least ``AUTO_PIECEWISE_GAIN``
+times what it covers: there, without them, the evidence adds little. Elsewhere (the SDPA
+example) piecewise stays opt-in, for its cold start. ``piecewise=True`` / ``False`` decide
+without the trial.
+
 The figures (``compile_cost``) go into ``[coverage]`` and the plan's notes, so that a benchmark
 can check them against the runtime's report: regions, compile groups, and estimated compiles
 (one a group and distinct signature seen, the most a group's budget allows; a dynamic group one),
@@ -33,20 +45,26 @@ for the evidence plan as written, for its inductor part, and for the names-only 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from surgery.formats.manifest import PIECEWISE_KIND, Manifest
 from surgery.planning.budgets import RECOMPILE_BUDGET, Group, layout_of
 from surgery.planning.evidence import Choice, coverage
 from surgery.planning.observation import Call, Observation
+from surgery.planning.streaming import plan_piecewise, region_paths
 
 LIGHT_SHARE = 0.05  # of the bare step: below it a new compile group is light
+AUTO_PIECEWISE_BELOW = 0.5  # a plain plan covering less of the step than this ...
+AUTO_PIECEWISE_GAIN = 2.0  # ... is made piecewise when that covers at least this many times more
 LIGHT_BACKEND = "aot_eager"  # what a light group compiles with under region capture
 # The [coverage] keys these figures are written under (a file format: listed in the README).
 COST_KEYS: tuple[str, ...] = ("regions", "compile_groups", "estimated_compiles",
                               "inductor_groups", "inductor_compiles", "light_groups",
-                              "names_compile_groups", "names_estimated_compiles")
+                              "names_compile_groups", "names_estimated_compiles",
+                              "piecewise_regions", "plain_covered_share")
 
 
 @dataclass
@@ -146,3 +164,39 @@ def drop_light(obs: Observation, choice: Choice, dropped: dict[str, str]) -> Cho
                   {p: e for p, e in choice.evidence.items() if p in regions},
                   coverage(obs, regions),
                   [g for g in choice.groups if not dropped.keys() & set(g.paths)])
+
+
+def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any, *,
+                     exclude: Sequence[str] = (), piecewise: bool | None = None) -> list[str]:
+    """Plan the streaming blocks of ``manifest`` piecewise, in place: always (True), never
+    (False), or where the module docstring's rule keeps it (None). Returns the notes."""
+    if piecewise is False:
+        return []
+    plain = (manifest.coverage or {}).get("covered_share")
+    trial = manifest if piecewise else copy.deepcopy(manifest)
+    notes = plan_piecewise(trial, model, view, exclude=exclude)
+    pieces = sum(len(r.paths) for r in trial.regions if r.kind == PIECEWISE_KIND)
+    after = coverage(obs, region_paths(trial)) if obs.timed_calls else {}
+    if piecewise is None:
+        got = after.get("covered_share", 0.0)
+        if not pieces or plain is None or plain >= AUTO_PIECEWISE_BELOW or \
+                got < AUTO_PIECEWISE_GAIN * plain:
+            if pieces and plain is not None:
+                return [f"not planned piecewise by default: the plan covers {plain:.0%} of the "
+                        f"step, {got:.0%} with {pieces} piecewise block(s) (by default only "
+                        f"under {AUTO_PIECEWISE_BELOW:.0%} and at least "
+                        f"{AUTO_PIECEWISE_GAIN:g}x; plan --piecewise asks for it)"]
+            return []
+        manifest.__dict__.update(vars(trial))
+        notes = [f"planned piecewise by default: the plain plan covered {plain:.0%} of the step, "
+                 f"{got:.0%} with {pieces} piecewise block(s) (at least "
+                 f"{AUTO_PIECEWISE_GAIN:g}x); plan --no-piecewise keeps them out", *notes]
+    if pieces:  # one fate: a module inside a piecewise block is inside a region, not left out
+        blocks = [p for r in manifest.regions if r.kind == PIECEWISE_KIND for p in r.paths]
+        manifest.left_out = [lo for lo in manifest.left_out
+                             if not any(lo.path.startswith(f"{b}.") for b in blocks)]
+        manifest.coverage = {**(manifest.coverage or {}), **after, "piecewise_regions": pieces,
+                             "regions": sum(len(r.paths) for r in manifest.regions)}
+        if plain is not None:
+            manifest.coverage["plain_covered_share"] = plain
+    return notes

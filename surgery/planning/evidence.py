@@ -174,6 +174,19 @@ def judge(path: str, calls: list[Call], all_calls: list[Call]) -> Verdict:
     mutated = Counter(m for c in steady for m in c.mutated)
     for what, n in mutated.most_common(2):
         kind, _, name = what.partition(" ")
+        if kind == "object":
+            if 2 * n <= len(steady):
+                # An argument object changed in at most half of the calls: a cache filled once
+                # a step (a static cache's lazy tensors), not one that grows with every call (a
+                # KV cache appended to). Judged by the rest of the evidence, as state set up
+                # once is.
+                continue
+            # A cache object the caller carries between calls: worded as such, so that
+            # --piecewise (surgery.planning.streaming) sees a cache.
+            v.reasons.append(f"changed its argument {_quote(name)}, an object holding tensors, "
+                             f"in {n} of {len(steady)} calls (state kept between calls, such as "
+                             "a KV cache, that a graph replay would not update)")
+            continue
         v.reasons.append(f"changed its {kind} {_quote(name)} in {n} of {len(steady)} calls "
                          "(Python state a graph replay would not update)")
     contexts = list(dict.fromkeys(c.sig.context for c in calls))

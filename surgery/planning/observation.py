@@ -27,7 +27,8 @@ class Call:
     sig: Signature
     ops: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)  # direct torch calls
     children: list[int] = field(default_factory=list)
-    mutated: list[str] = field(default_factory=list)  # state it changed: "attribute kv_cache"
+    # state it changed: "attribute kv_cache", "argument cache" (a list or dict), "object cache"
+    mutated: list[str] = field(default_factory=list)
     inner: int = 0  # hash of what ran inside (ops and child calls, recursively)
     subtree_ops: int = 0  # ops that launch, in the call and below (views not counted)
     out_bytes: int = 0  # bytes of the tensors a module call returned (graph memory estimate)

@@ -11,7 +11,11 @@ What it records, and why each thing is needed to choose a compile region:
   of it would replay stale shapes.
 - **Python state it changed**: containers, tensors and scalars in the module's ``__dict__`` (not
   parameters, buffers or submodules), and list/dict arguments it mutated. A graph replay runs no
-  Python, so such a call cannot be replayed.
+  Python, so such a call cannot be replayed. An argument that is a plain object (a transformers
+  ``DynamicCache``: lists of layers that hold the key and value tensors) is walked a few levels
+  into its ``__dict__`` (``_object_token``), so a cache that an attention appends to is seen
+  changing even where every decode call has a signature of its own (a mask that grows with the
+  cache), which would otherwise leave "same arguments, other ops inside" nothing to compare.
 - **Time**, in two more phases without the function mode. First the *bare* step: STEP itself,
   timed around its call (a synchronise before and after on a GPU), with no hook installed. That
   is the figure that counts (the fastest of the bare steps: a shared host preempts at random),
@@ -95,6 +99,35 @@ def _state_token(value: Any, depth: int = 0) -> Any:
     return id(value)
 
 
+_OBJECT_DEPTH = 4  # how deep an argument object's state is walked (cache -> layers -> layer)
+_OBJECT_ITEMS = 8  # attributes / dict items walked per level
+
+
+def _object_token(value: Any, depth: int = 0) -> Any:
+    """A token of an object argument's state: tensors by identity and shape, containers by length
+    and their ends, objects by their attributes; bounded in depth and items."""
+    if isinstance(value, torch.Tensor):
+        return ("T", id(value), tuple(value.shape))
+    if isinstance(value, (bool, int, float, str)) or value is None or depth >= _OBJECT_DEPTH:
+        return value if not hasattr(value, "__dict__") else id(value)
+    if isinstance(value, (list, tuple)):
+        ends = [value[0], value[-1]] if value else []
+        return (len(value), tuple(_object_token(v, depth + 1) for v in ends))
+    if isinstance(value, dict):
+        return (len(value), tuple((k, _object_token(v, depth + 1))
+                                  for k, v in list(value.items())[:_OBJECT_ITEMS]))
+    if isinstance(value, nn.Module) or not hasattr(value, "__dict__"):
+        return id(value)
+    return tuple((k, _object_token(v, depth + 1))
+                 for k, v in list(vars(value).items())[:_OBJECT_ITEMS] if not callable(v))
+
+
+def _is_state_object(a: Any) -> bool:
+    """An argument that may carry state between calls: not a tensor, module, scalar or type."""
+    return hasattr(a, "__dict__") and not isinstance(a, (torch.Tensor, nn.Module, type)) \
+        and not callable(a)
+
+
 def _module_state(mod: nn.Module) -> dict[str, Any]:
     return {k: _state_token(v) for k, v in vars(mod).items()
             if k not in _MODULE_ATTRS and not callable(v) and not isinstance(v, nn.Module)}
@@ -155,6 +188,8 @@ class _Watcher:
         if parent >= 0:
             self.calls[parent].children.append(idx)
         containers = [(n, a, _state_token(a)) for n, a in named if isinstance(a, (list, dict))]
+        containers += [(n, a, ("object", _object_token(a))) for n, a in named
+                       if _is_state_object(a)]
         self.snapshots[idx] = (_module_state(mod), containers)
         self.stack.append(idx)
 
@@ -167,7 +202,10 @@ class _Watcher:
         after = _module_state(mod)
         call.mutated = [f"attribute {k}" for k in sorted(set(before) | set(after))
                         if before.get(k) != after.get(k)]
-        call.mutated += [f"argument {n}" for n, a, tok in containers if _state_token(a) != tok]
+        call.mutated += [f"argument {n}" for n, a, tok in containers
+                         if tok[:1] != ("object",) and _state_token(a) != tok]
+        call.mutated += [f"object {n}" for n, a, tok in containers
+                         if tok[:1] == ("object",) and ("object", _object_token(a)) != tok]
         kids = [self.calls[i] for i in call.children]
         call.subtree_ops = sum(1 for name, _ in call.ops if name not in VIEW_OPS) + \
             sum(k.subtree_ops for k in kids)

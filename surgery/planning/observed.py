@@ -27,18 +27,17 @@ from surgery.formats.source import load_factory
 from surgery.planning.compare import best_of
 from surgery.planning.compile_cost import (
     LIGHT_BACKEND,
+    choose_piecewise,
     cost_note,
     drop_light,
     weigh_compile_cost,
 )
 from surgery.planning.evidence import OBSERVED, RECOMPILE_BUDGET, Choice, choose_regions, shares
-from surgery.planning.evidence import coverage as step_coverage
 from surgery.planning.graph_estimate import graph_coverage, graph_note
 from surgery.planning.observation import Clock, Observation
 from surgery.planning.observe import observe
 from surgery.planning.plan import PlanResult, reason_class, view_from_module
 from surgery.planning.regions import OUTPUTS_OUTLIVE_STEP, find_regions, natural_key
-from surgery.planning.streaming import plan_piecewise, region_paths
 
 # --dtype names -> the autocast dtype the steps run under (None: no autocast).
 AUTOCAST_DTYPES: dict[str, str | None] = {"bf16": "bfloat16", "fp16": "float16", "fp32": None}
@@ -80,8 +79,12 @@ def build_live(spec: str, *, device: str) -> Any:
 def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: int = 3,
                   device: str = "cpu", dtype: str = "fp32", include: Sequence[str] = (),
                   exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
-                  clock: Clock | None = None, piecewise: bool = False) -> PlanResult:
-    """Plan a live model from ``steps`` eager steps of ``input_spec(model)``, then time it."""
+                  clock: Clock | None = None, piecewise: bool | None = None) -> PlanResult:
+    """Plan a live model from ``steps`` eager steps of ``input_spec(model)``, then time it.
+
+    ``piecewise``: True plans the streaming blocks piecewise, False never, None where the
+    evidence shows they are most of the step (surgery.planning.compile_cost.choose_piecewise).
+    """
     import torch
 
     if steps < 1:
@@ -101,11 +104,9 @@ def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: in
                                       compile=compile, notes=notes,
                                       extra={"input": input_spec, "steps": steps,
                                              "device": device, "dtype": dtype})
-    if piecewise:  # streaming blocks as piecewise regions (surgery.planning.streaming)
-        notes += plan_piecewise(manifest, watched.model, watched.view,
-                                exclude=exclude)
-        manifest.coverage = {**(manifest.coverage or {}),
-                             **step_coverage(watched.obs, region_paths(manifest))}
+    # streaming blocks as piecewise regions (surgery.planning.streaming), asked or by default
+    notes += choose_piecewise(manifest, watched.obs, watched.model, watched.view,
+                              exclude=exclude, piecewise=piecewise)
     return PlanResult(manifest, spec, notes, 0)
 
 
@@ -113,20 +114,23 @@ def plan_from_step(model: Any, step: Callable[..., Any], *, steps: int = 4,
                    timed_steps: int = 3, include: Sequence[str] = (),
                    exclude: Sequence[str] = (), compile: dict[str, Any] | None = None,
                    autocast: Any = None, source: str | None = None,
-                   clock: Clock | None = None) -> Manifest:
+                   clock: Clock | None = None, piecewise: bool | None = None) -> Manifest:
     """Plan ``model`` in process from ``steps`` watched calls of ``step(model)`` (then timed).
 
     The in-process form of ``surgery plan --model F --input STEP``: STEP may call ``model(x)``,
     ``model.forward(x)``, a method (``model.generate``) or run a loop. ``autocast`` is a dtype
     (``torch.bfloat16``) every step runs under. The model's state after the steps is whatever
-    the steps left (reset a stream or a cache before deploying). Raises EmptyPlanError when no
-    region is found, ModelSourceError when the step fails or never reaches the model.
+    the steps left (reset a stream or a cache before deploying). ``piecewise`` as in
+    ``plan_observed``. Raises EmptyPlanError when no region is found, ModelSourceError when the
+    step fails or never reaches the model.
     """
     w = watch_model(model, step, steps=steps, timed_steps=timed_steps, clock=clock,
                     include=include, autocast=autocast)
     name = source or f"{type(model).__module__}.{type(model).__qualname__}"
-    return manifest_from_evidence(w, source=name, include=include, exclude=exclude,
-                                  compile=compile, extra={"steps": steps})
+    manifest = manifest_from_evidence(w, source=name, include=include, exclude=exclude,
+                                      compile=compile, extra={"steps": steps})
+    choose_piecewise(manifest, w.obs, w.model, w.view, exclude=exclude, piecewise=piecewise)
+    return manifest
 
 
 @dataclass
