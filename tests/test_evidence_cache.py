@@ -98,10 +98,15 @@ def test_gpt2_generate_is_planned_piecewise_by_default_and_makes_the_same_tokens
 
     model = gpt2()
     m = parse_manifest(dumps_manifest(plan_from_step(model, generate, steps=3, timed_steps=3)))
-    (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
-    assert pw.paths == ["transformer.h.0", "transformer.h.1"]
+    pieces = {p: r for r in m.regions if r.kind == PIECEWISE_KIND for p in r.paths}
+    # each block piecewise; with a decoder stack over them (surgery.planning.stacks) the blocks
+    # stand by for it
+    assert {"transformer.h.0", "transformer.h.1"} <= set(pieces), sorted(pieces)
+    stack = pieces["transformer.h.0"].piecewise.get("fallback_for")
+    assert stack is None or set(stack) <= set(pieces)
+    assert_one_fate(model, m)
     cov = m.coverage
-    assert cov["piecewise_regions"] == 2
+    assert cov["piecewise_regions"] == len(pieces)
     assert cov["covered_share"] >= AUTO_PIECEWISE_GAIN * cov["plain_covered_share"] > 0
     plain = plan_from_step(model, generate, steps=3, timed_steps=0, piecewise=False)
     assert not any(r.kind == PIECEWISE_KIND for r in plain.regions)
@@ -110,7 +115,10 @@ def test_gpt2_generate_is_planned_piecewise_by_default_and_makes_the_same_tokens
                             overrides={"on_cpu": "compile", "backend": "aot_eager"})
     try:
         assert torch.equal(generate(model), ref)
-        assert all(r.status == "compiled" for r in handle.report)
+        status = {r.path: r.status for r in handle.report}
+        # the outermost piecewise region runs compiled; blocks standing by for it stay pending
+        assert status[min(pieces, key=len)] == "compiled", status
+        assert all(s in ("compiled", "pending") for s in status.values()), status
     finally:
         handle.restore()
 

@@ -193,8 +193,8 @@ def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any
                  f"{AUTO_PIECEWISE_GAIN:g}x); plan --no-piecewise keeps them out", *notes]
     if pieces:  # one fate: a module inside a piecewise block is inside a region, not left out
         blocks = [p for r in manifest.regions if r.kind == PIECEWISE_KIND for p in r.paths]
-        manifest.left_out = [lo for lo in manifest.left_out
-                             if not any(lo.path.startswith(f"{b}.") for b in blocks)]
+        manifest.left_out = [lo for lo in manifest.left_out if not any(
+            lo.path == b or lo.path.startswith(f"{b}.") for b in blocks)]
         manifest.coverage = {**(manifest.coverage or {}), **after, "piecewise_regions": pieces,
                              "regions": sum(len(r.paths) for r in manifest.regions)}
         if plain is not None:
