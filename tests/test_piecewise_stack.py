@@ -15,9 +15,13 @@ from torch import nn
 
 from surgery.errors import ManifestError, RegionError
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
-from surgery.planning.plan import plan_model
+from surgery.planning.plan import plan_model, plan_module
 from surgery.planning.stacks import STACK_MAX_COMPILES, drop_stacks
 from surgery.runtime.apply import apply_manifest
+from surgery.runtime.compile_options import plan_region
+from surgery.runtime.piecewise import install_piecewise
+from surgery.runtime.report import RegionRecord
+from tests.test_graphs import FakeCapturer
 
 transformers = pytest.importorskip("transformers")
 
@@ -266,3 +270,34 @@ def test_stack_on_cuda_replays_its_pieces_and_tokens_match() -> None:
                                                                 stack.notes)
     assert all(handle.report.by_path(p).calls == 0 for p in ("transformer.h.0",
                                                              "transformer.h.1"))
+
+
+def test_stack_pieces_of_one_code_keep_a_set_of_graphs_per_block() -> None:
+    """The stack's middle pieces are one FX code with each block's weights (compiled once,
+    runtime.piece_cache): driven by a stand-in capturer, each block's piece keeps its own region
+    graphs (captured once, then replayed every token), never dropped as "moved" parameters."""
+    torch.manual_seed(0)  # 3 blocks: the middle one's pieces are the same code as the first's
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=100, n_positions=128, bos_token_id=None,
+        eos_token_id=None)).eval()
+    ref = copy.deepcopy(model)
+    m = plan_module(model, source="test", piecewise=True).manifest
+    (region,) = [r for r in m.regions if r.paths == ["transformer"]]
+    m.compile.update(ON_CPU)
+    plan = plan_region(m, region, overrides=None, on_cuda=False)
+    rec = RegionRecord("transformer", "piecewise", "forward", "pending")
+    slot = install_piecewise(model.transformer, "forward", rec, region, plan, {}, FakeCapturer())
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        want = generate(ref, ids, 12)
+        for _ in range(2):  # the second captures the prefill's pieces too
+            same_as_eager(generate(model, ids, 12), want)
+        captured, replays = rec.graphs_captured, rec.cuda_graph_replays
+        same_as_eager(generate(model, ids, 12), want)
+    assert not any("moved" in n for n in rec.notes), rec.notes
+    assert rec.graphs_captured == captured  # nothing captured again
+    assert rec.pieces_shared >= 1  # the middle block's decode piece reuses the first's code
+    # every decode step replays its 4 pieces (one before the first attention, one after each),
+    # and the prefill its own
+    assert rec.cuda_graph_replays - replays >= 4 * 11, (captured, rec.cuda_graph_replays)
+    assert slot.graphs is not None and len(slot.graphs.graphs) >= 8

@@ -299,7 +299,12 @@ class StaticPiece(nn.Module):
         fn = self.ensure(args, state)
         if state.capturer is None:
             return self.run(list(args))
-        entry = state.graphs.get(self.key)
+        stable = [args[j] for j in self.stable_pos]
+        # One set of graphs per distinct piece AND the weights it runs with: the stack region's
+        # blocks run one piece code with each block's own parameters (by identity: a parameter
+        # moved in place keeps its set, whose graphs are dropped below).
+        gkey = (self.key, tuple(id(t) for t in stable))
+        entry = state.graphs.get(gkey)
         if entry is None:
             call = _PieceCall(self)
             graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
@@ -307,9 +312,8 @@ class StaticPiece(nn.Module):
                                   label=f"{state.label} (piece {len(state.graphs)})")
             if fn.runs > 0:  # it ran already (in another graph or path): capture at once
                 graphs.ready = lambda args, kwargs: True
-            entry = state.graphs[self.key] = (graphs, call)
+            entry = state.graphs[gkey] = (graphs, call)
         graphs, call = entry
-        stable = [args[j] for j in self.stable_pos]
         ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in stable]
         if ptrs != call.ptrs:  # new or moved parameters: graphs baked the old addresses
             if call.ptrs:
