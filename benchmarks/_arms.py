@@ -8,6 +8,7 @@ inside the functions that need it, so a parent process that only launches arms s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -32,8 +33,15 @@ def child_result(argv: list[str], *, env: dict[str, str], timeout: int,
                     None)
         res = json.loads(line) if line else {
             **ident, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
         res = {**ident, "error": f"timed out after {timeout} s"}
+        # How far it got: the last JSON line it printed ({"progress": ...}), if any.
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        last = next((ln for ln in reversed((out or "").splitlines()) if ln.startswith("{")),
+                    None)
+        if last:
+            with contextlib.suppress(ValueError):
+                res["progress"] = json.loads(last).get("progress", last)
     res["process_s"] = round(time.perf_counter() - t, 1)
     print(json.dumps(res), file=sys.stderr, flush=True)
     return res
