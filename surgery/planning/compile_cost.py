@@ -183,14 +183,15 @@ def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any
                 got < AUTO_PIECEWISE_GAIN * plain:
             if pieces and plain is not None:
                 return [f"not planned piecewise by default: the plan covers {plain:.0%} of the "
-                        f"step, {got:.0%} with {pieces} piecewise block(s) (by default only "
+                        f"step, {got:.0%} with {pieces} piecewise region path(s) (by default only "
                         f"under {AUTO_PIECEWISE_BELOW:.0%} and at least "
                         f"{AUTO_PIECEWISE_GAIN:g}x; plan --piecewise asks for it)"]
             return []
         manifest.__dict__.update(vars(trial))
         notes = [f"planned piecewise by default: the plain plan covered {plain:.0%} of the step, "
-                 f"{got:.0%} with {pieces} piecewise block(s) (at least "
-                 f"{AUTO_PIECEWISE_GAIN:g}x); plan --no-piecewise keeps them out", *notes]
+                 f"{got:.0%} with {pieces} piecewise region path(s) (at least "
+                 f"{AUTO_PIECEWISE_GAIN:g}x; the compile-cost and region-graph notes above are "
+                 "of the plain plan); plan --no-piecewise keeps them out", *notes]
     if pieces:  # one fate: a module inside a piecewise block is inside a region, not left out
         blocks = [p for r in manifest.regions if r.kind == PIECEWISE_KIND for p in r.paths]
         manifest.left_out = [lo for lo in manifest.left_out if not any(
