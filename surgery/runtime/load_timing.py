@@ -11,7 +11,9 @@ included, because the loader imports ``torch._inductor.graph``) and, on the CPU,
 probe that builds a test program. Charged to the first group, those look like its own cost.
 
 So the set-up runs first, on its own clock (``prepare_loader``): the loader's modules from the
-fixed list LOADER_MODULES (never names from a bundle), triton on CUDA, the ISA probe on the CPU.
+fixed list LOADER_MODULES (never names from a bundle), triton and its driver on CUDA (Triton
+builds its CUDA utilities with the C compiler on first use in an empty TRITON_CACHE_DIR), the
+ISA probe on the CPU.
 Then each artifact is timed (``timed``) with the deltas of torch's own instruments:
 ``compilation_time_metrics`` (its ``dynamo_timed`` phases, e.g. ``PyCodeCache.load_by_key_path``,
 ``async_compile.wait``, ``async_compile.precompile`` (a Triton kernel compiled from source in this
@@ -44,7 +46,8 @@ LOADER_MODULES = (
     "torch._inductor.async_compile",
     "torch._inductor.compile_fx",
 )
-CUDA_LOADER_MODULES = ("triton", "torch._inductor.runtime.triton_heuristics")
+CUDA_LOADER_MODULES = ("triton", "torch._inductor.runtime.triton_heuristics",
+                       "torch._inductor.runtime.static_cuda_launcher")
 _MIN_PHASE_S = 0.001  # phases shorter than this are left out of a timing
 
 
@@ -82,6 +85,15 @@ def prepare_loader(device: str) -> LoaderSetup:
         with contextlib.suppress(ImportError):  # a module this torch does not have
             importlib.import_module(name)
     setup.steps["imports"] = round(time.perf_counter() - t, 3)
+    if device.startswith("cuda"):
+        t = time.perf_counter()
+        with contextlib.suppress(Exception):  # triton's; a failure is its to report
+            from triton.runtime import driver  # heavy, optional: triton
+
+            # Triton builds its CUDA utilities (a small C extension) on first use, into
+            # TRITON_CACHE_DIR: in a fresh container that is a compiler run.
+            getattr(driver.active, "utils", None)
+        setup.steps["triton_driver"] = round(time.perf_counter() - t, 3)
     if device == "cpu":
         t = time.perf_counter()
         with contextlib.suppress(Exception):  # the probe is torch's; a failure is its to report

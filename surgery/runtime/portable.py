@@ -158,16 +158,19 @@ def _span_digest(module: types.ModuleType, first: int, last: int) -> str | None:
 
 def inlined_sources(fn: Any) -> list[list[Any]]:
     """[[module, first line, last line, digest], ...] of the code dynamo inlined into ``fn`` (a
-    torch AOTCompiledFunction), sorted; [] where this torch does not say."""
+    torch AOTCompiledFunction), sorted; [] where this torch does not say. Raises ValueError for
+    a span whose source cannot be read (its changes could not be seen at deploy time)."""
     info = getattr(fn, "source_info", None)
     spans = getattr(info(), "inlined_sources", None) if callable(info) else None
     out = []
     for s in spans or ():
-        module = sys.modules.get(getattr(s, "module", ""))
+        name = str(getattr(s, "module", ""))
+        module = sys.modules.get(name)
         first, last = getattr(s, "firstlineno", 0), getattr(s, "lastlineno", 0)
         digest = _span_digest(module, first, last) if module is not None else None
-        if digest is not None:
-            out.append([module.__name__, first, last, digest])
+        if digest is None:  # code that could change unseen: not precompiled (the caller notes)
+            raise ValueError(f"the source of {name} lines {first}-{last} (inlined) cannot be read")
+        out.append([name, first, last, digest])
     return sorted(out)
 
 
