@@ -150,6 +150,35 @@ def _ready(records: list[Any], before: dict[str, tuple[int, int]], cuda: bool) -
     return all(r.compiles == before[r.path][1] for r in records)
 
 
+# What apply_manifest calls, by the names it looks up in its module (timed in the benchmark
+# only, by wrapping them there): where an apply's seconds go besides the bundle.
+_APPLY_PARTS = ("resolve_manifest", "bind_model", "load_for_apply", "resolve_path",
+                "_check_nesting", "plan_region", "_install", "_capturer_for", "report_use",
+                "warn_eager_on_cpu", "note_expandable_segments", "cache_counters", "_warm_up")
+
+
+def _time_apply_parts() -> dict[str, float]:
+    """Wrap apply_manifest's helpers in its module with timers; {name: seconds} as they run
+    (a part called inside another is counted in both)."""
+    import surgery.runtime.apply as apply_mod
+
+    spent: dict[str, float] = {}
+    for name in _APPLY_PARTS:
+        real = getattr(apply_mod, name, None)
+        if real is None:
+            continue
+
+        def timed(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(apply_mod, name, timed)
+    return spent
+
+
 def _top(prof: cProfile.Profile, n: int = _PROFILE_ROWS) -> list[list[Any]]:
     """The warm apply's profile: the n functions with the most cumulative time, as
     [cumulative s, own s, calls, "file:line(function)"]."""
@@ -195,6 +224,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
             load_s[0] += time.perf_counter() - t
 
     pre.open_bundle = timed_open  # instrumentation only: the bundle's checks and Mega-Cache load
+    parts = _time_apply_parts()
 
     def seconds(*keys: str) -> float:
         return round(sum(sum(metrics.get(k, [])) for k in keys), 3)
@@ -242,6 +272,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         "replayed": replayed, "frames_to_replay": len(frame_s), "frame_s": frame_s,
         "apply_s": round(apply_s, 3), "bundle_s": round(load_s[0], 3),
         "precompiled_load_s": round(loaded_s, 3),
+        "apply_parts": {k: round(v, 3) for k, v in parts.items()},
         "loader_setup": {"seconds": setup.seconds, "steps": setup.steps,
                          "imported": setup.imported} if setup else None,
         "profile": _top(prof) if prof is not None else [],
@@ -354,6 +385,8 @@ def _load_lines(r: dict[str, Any]) -> list[str]:
     seconds, torch's phases (nested as torch nests them), counters and modules imported; then
     the warm apply's profile when --profile ran."""
     rows = []
+    if r.get("apply_parts"):
+        rows.append(f"  apply_manifest's parts (s): {r['apply_parts']}")
     if setup := r.get("loader_setup"):
         rows.append(f"  loader set-up (once, before any artifact): {setup['seconds']} s "
                     f"{setup['steps']}, {setup['imported']} modules imported")
