@@ -3,7 +3,13 @@
 Arms (each in a fresh process with a fresh inductor cache, all in one call):
   sdpa_eager      surgery.examples:lingbot_sdpa as it is (bf16 autocast, one frame a step)
   sdpa_names      `surgery plan --model` (names only), apply_manifest defaults
-  sdpa_piecewise  `surgery plan --model --piecewise`: the 24 global blocks as piecewise regions
+  sdpa_piecewise  `surgery plan --model --piecewise`: the 24 global blocks and the 4 camera
+                  trunk blocks (`cache[global_idx]`, a 16-frame list window) as piecewise regions
+  sdpa_piecewise_global  the same plan with the trunk blocks excluded (`--exclude
+                  'camera_head.trunk.[0-9]'`): the global blocks only, as before issue 19b
+  sdpa_piecewise_before  sdpa_piecewise with piece sharing (runtime/piece_cache) and the
+                  list-structure rule (runtime/cache_sources) turned off: what they cut (not in
+                  the default --all; ask for it with --arms)
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
@@ -15,7 +21,11 @@ start, peak GPU memory above the weights, the eager step's coverage by the plan 
 the share of the eager step inside the plan's regions; a piecewise block counts whole, its
 attention included), pieces captured / replays / ops between pieces / recompiles summed over the
 piecewise paths, and the largest relative output difference from eager over 24 frames (SDPA) or
-whether every token equals eager's (GPT-2).
+whether every token equals eager's (GPT-2). The piecewise arms also break their cold start down
+(``cold_breakdown``): dynamo's tracing and guards, the backends dynamo called (inductor for the
+plain regions, the split for piecewise ones), the pieces' own compiles after the trace, the
+captures, and the counts: dynamo graphs, piecewise graphs, pieces compiled and shared (identical
+pieces of other graphs and blocks), calls run eager on a new list-cache structure.
 
     python benchmarks/gpu_piecewise.py --all [--out results.json]       # on the H200
     python benchmarks/gpu_piecewise.py --arm sdpa_piecewise --frames 24  # one arm, this process
@@ -25,6 +35,8 @@ whether every token equals eager's (GPT-2).
 ``--profile`` adds, to the GPT-2 arms, one cProfile'd generate() split into host-time shares
 (benchmarks/_host_profile.py): dynamo entry, pieces, attention, surgery's wrappers, the rest,
 and the dynamo entries per token.
+    python benchmarks/gpu_piecewise.py --all --tiny --cpu-backend inductor \
+        --arms sdpa_piecewise_before,sdpa_piecewise     # the cold start on the CPU, inductor
 """
 
 from __future__ import annotations
@@ -52,8 +64,11 @@ from _arms import (  # noqa: E402
 )
 from _host_profile import host_profile  # noqa: E402
 
-ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "gpt2_eager", "gpt2_piecewise",
-        "gpt2_stack")
+ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
+        "sdpa_piecewise_before", "gpt2_eager", "gpt2_piecewise", "gpt2_stack")
+DEFAULT_ARMS = tuple(a for a in ARMS if a != "sdpa_piecewise_before")
+# The camera trunk's blocks (not their children): excluded in sdpa_piecewise_global.
+TRUNK_BLOCKS = "camera_head.trunk.[0-9]"
 WARM = 20  # frames before timing: the camera trunk's window is 16
 NEW_TOKENS = 64
 
@@ -82,7 +97,17 @@ def gpt2() -> Any:
 def _overrides(cuda: bool) -> dict[str, Any] | None:
     # Without CUDA there are no graphs to capture: compile the pieces on the CPU (aot_eager,
     # quick to build) so the smoke run goes through the same code.
-    return None if cuda else {"on_cpu": "compile", "backend": "aot_eager"}
+    return None if cuda else {"on_cpu": "compile",
+                              "backend": os.environ.get("GPU_PIECEWISE_CPU_BACKEND", "aot_eager")}
+
+
+def _as_before() -> None:
+    """sdpa_piecewise_before: no piece is shared (no key), no list structure is deferred."""
+    import surgery.runtime.piece_cache as piece_cache
+    import surgery.runtime.piecewise as piecewise
+
+    piece_cache.piece_key = lambda *a, **k: None  # type: ignore[assignment]
+    piecewise.MAX_STRUCTURES = 0  # every structure counts as seen: each compiles at once
 
 
 def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:
@@ -111,6 +136,28 @@ def _coverage(model: Any, step: Any, manifest: Any, out: dict[str, Any]) -> None
     out.update(coverage=cov.get("covered_share"), remainder=cov.get("remainder", [])[:4])
 
 
+def _cold_breakdown(handle: Any, out: dict[str, Any]) -> None:
+    """Where the cold start went (this process compiled nothing before the arm)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    def total(name: str) -> float:
+        return sum(compilation_time_metrics.get(name, []))
+
+    backend = total("OutputGraph.call_user_compiler")
+    recs = list(handle.report)
+    pw = [r for r in recs if r.kind == "piecewise"]
+    out["cold_breakdown"] = {
+        "dynamo_trace_s": round(total("_compile.compile_inner") - backend, 2),
+        "backend_s": round(backend, 2),
+        "piece_compile_s": round(sum(r.piece_compile_s for r in pw), 2),
+        "capture_s": round(sum(r.capture_s for r in recs), 2),
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "piecewise_graphs": sum(r.compiles for r in pw),
+        "pieces_compiled": sum(r.pieces_compiled for r in pw),
+        "pieces_shared": sum(r.pieces_shared for r in pw),
+        "new_structure_calls": sum(r.new_structure_calls for r in pw)}
+
+
 def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     import torch
 
@@ -123,6 +170,8 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out: dict[str, Any] = {"arm": arm}
+    if arm == "sdpa_piecewise_before":
+        _as_before()
     torch.manual_seed(0)
     model = build_live(spec, device=dev)
     xs = [model.example_input(seed=1000 + i) for i in range(8)]
@@ -136,11 +185,13 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     handle = None
     if arm != "sdpa_eager":
-        manifest = plan_model(spec, compile=compile_defaults(),
-                              piecewise=arm == "sdpa_piecewise").manifest
+        piecewise = arm.startswith("sdpa_piecewise")  # the three piecewise arms
+        manifest = plan_model(spec, compile=compile_defaults(), piecewise=piecewise,
+                              exclude=[TRUNK_BLOCKS] if arm == "sdpa_piecewise_global" else []
+                              ).manifest
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["regions"] = paths_per_kind(manifest)
-        if arm == "sdpa_piecewise":  # the coverage target is the piecewise plan's
+        if piecewise:  # the coverage target is the piecewise plan's
             _coverage(model, step, manifest, out)
             model.reset_stream()
             t0 = time.perf_counter()  # cold start: compile and warm-up, not the watched run
@@ -157,6 +208,8 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
             if i == WARM:
                 sync()
                 out["cold_s"] = round(time.perf_counter() - t0, 2)
+                if handle is not None:
+                    _cold_breakdown(handle, out)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             with ac:
@@ -285,6 +338,19 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def cold_table(results: list[dict[str, Any]]) -> str:
+    """The cold start of each arm that has a breakdown, where it went."""
+    keys = ("dynamo_trace_s", "backend_s", "piece_compile_s", "capture_s", "dynamo_graphs",
+            "piecewise_graphs", "pieces_compiled", "pieces_shared", "new_structure_calls")
+    rows = ["| arm | cold s | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for r in results:
+        b = r.get("cold_breakdown")
+        if b:
+            rows.append(f"| {r['arm']} | {r['cold_s']:.1f} | " +
+                        " | ".join(str(b.get(k, "")) for k in keys) + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", choices=ARMS)
@@ -293,6 +359,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=24, help="timed frames of the SDPA arms")
     ap.add_argument("--timeout", type=int, default=240, help="per arm, seconds")
     ap.add_argument("--tiny", action="store_true", help="test-size models (the CPU smoke run)")
+    ap.add_argument("--cpu-backend", choices=("aot_eager", "inductor"),
+                    help="what compiles the regions without CUDA (aot_eager by default)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true",
                     help="GPT-2 arms: add one profiled generate()'s host-time shares")
@@ -301,17 +369,20 @@ def main() -> None:
         os.environ["GPU_PIECEWISE_SIZE"] = "tiny"
     if args.profile:
         os.environ["GPU_PIECEWISE_PROFILE"] = "1"
+    if args.cpu_backend:  # the arms' processes inherit it
+        os.environ["GPU_PIECEWISE_CPU_BACKEND"] = args.cpu_backend
     if args.arm:
         run = (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
             (lambda: run_sdpa(args.arm, args.frames))
         print_arm_result(run, {"arm": args.arm})
         return
-    arms = args.arms.split(",") if args.arms else list(ARMS)
+    arms = args.arms.split(",") if args.arms else list(DEFAULT_ARMS)
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     results = run_all(arms, args.frames, args.timeout)
     print(table(results))
+    print(cold_table(results))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

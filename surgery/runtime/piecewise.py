@@ -177,6 +177,8 @@ class PiecewiseSlot:
         rec.graphs_captured = self.graphs.captures
         rec.cuda_graph_replays = self.graphs.replays
         rec.pieces_compiled, rec.pieces_shared = self.graphs.compiled, self.graphs.shared
+        rec.piece_compile_s = self.graphs.compile_s
+        rec.capture_s = self.graphs.capture_s
         if rec.compiles > self.budget:
             self._demote(f"recompiled {rec.compiles} times (over its budget of {self.budget}) "
                          "as the cache changed: a branch on the cache length, or a cache whose "

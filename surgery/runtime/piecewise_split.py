@@ -27,6 +27,7 @@ per-path state (graphs, counts) is looked up from the path whose call is running
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -220,6 +221,7 @@ class PathPieces:
         self.piece_runs = 0  # static pieces run (replayed or not)
         self.compiled = 0  # pieces this path compiled
         self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
+        self.compile_s = 0.0  # seconds this path spent compiling pieces
         self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
 
     @property
@@ -229,6 +231,10 @@ class PathPieces:
     @property
     def captures(self) -> int:
         return sum(g.captures for g, _ in self.graphs.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(g.capture_s for g, _ in self.graphs.values())
 
     def drop(self, why: str) -> None:
         for g, _ in self.graphs.values():
@@ -278,11 +284,13 @@ class StaticPiece(nn.Module):
     def ensure(self, args: Sequence[Any], state: PathPieces | None) -> CompiledPiece:
         """The compiled piece: compiled now, or the callable of an identical piece."""
         if self._fn is None:
+            t0 = time.perf_counter()
             self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos)
             self.key = key if key is not None else ("piece", id(self))
             if state is not None:
                 if fresh:
                     state.compiled += 1
+                    state.compile_s += time.perf_counter() - t0
                 else:
                     state.shared += 1
         return self._fn
@@ -302,8 +310,9 @@ class StaticPiece(nn.Module):
         stable = [args[j] for j in self.stable_pos]
         # One set of graphs per distinct piece AND the weights it runs with: the stack region's
         # blocks run one piece code with each block's own parameters (by identity: a parameter
-        # moved in place keeps its set, whose graphs are dropped below).
-        gkey = (self.key, tuple(id(t) for t in stable))
+        # moved in place keeps its set, whose graphs are dropped below); and one piece's graphs
+        # serve another that hands its output back the same way (a value, or a tuple of one).
+        gkey = (self.key, self._single, tuple(id(t) for t in stable))
         entry = state.graphs.get(gkey)
         if entry is None:
             call = _PieceCall(self)

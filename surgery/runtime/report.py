@@ -82,6 +82,7 @@ class RegionRecord:
     # another graph or block (surgery.runtime.piece_cache)
     pieces_compiled: int = 0
     pieces_shared: int = 0
+    piece_compile_s: float = 0.0  # seconds it spent compiling them (after dynamo's trace)
     # calls that ran eager because their list cache had a structure not seen before (it
     # compiles when it recurs: surgery.runtime.cache_sources)
     new_structure_calls: int = 0
