@@ -80,3 +80,41 @@ def test_gpt2_generate_on_cuda_replays_pieces_and_tokens_match() -> None:
         # prefill, then decode; an older transformers' mask may add one automatic-dynamic
         # recompile. Not one per token.
         assert rec.recompiles <= 2
+
+
+def test_camera_trunk_fills_its_window_without_recompiles_then_replays_every_call() -> None:
+    """The camera trunk (``cache[global_idx]``, a 16-frame list window) over 40 frames: 2 graphs a
+    path (the first frame's, and the full window's when it recurs), every piece call of the last
+    10 frames a replay, and the window's k, v (ring sets, then clones) never overwritten."""
+    torch.manual_seed(0)
+    model = tiny_sdpa().cuda().eval()
+    ref = copy.deepcopy(model)
+    paths = ["camera_head.trunk.0", "camera_head.trunk.1"]
+    manifest = _manifest(model, paths, ["cache"], "aot_eager")
+    manifest.regions[0].compile = {"max_signatures": 20}
+    handle = apply_manifest(model, manifest)
+    window = model.camera_head.window
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in paths]
+    before: dict[str, tuple[int, int]] = {}
+    with torch.inference_mode():
+        for s in range(40):
+            if s == 30:
+                before = {p: (handle.report.by_path(p).cuda_graph_replays,
+                              handle.report.by_path(p).graphs_captured) for p in paths}
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+            for i, slot in enumerate(model.camera_head.kv_cache):
+                kept[i].append((slot[-1], slot[-1].clone()))
+            torch.cuda.synchronize()
+            for held in kept:
+                for t, value in held[-window:]:  # still in the window: never overwritten
+                    assert torch.equal(t, value)
+    for p in paths:
+        rec = handle.report.by_path(p)
+        assert rec.status == "compiled" and rec.compiles == 2, (rec.compiles, rec.reason)
+        assert rec.new_structure_calls == window
+        replays, captured = before[p]
+        assert rec.cuda_graph_replays - replays == 2 * 10, (rec.cuda_graph_replays, rec.notes)
+        assert rec.graphs_captured == captured  # nothing captured once the ring is full
