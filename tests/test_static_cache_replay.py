@@ -121,6 +121,7 @@ def test_generate_with_new_static_caches_matches_eager_through_region_graphs(
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real region graphs)")
 @pytest.mark.parametrize("kind", ["evidence", "blocks", "names"])
-def test_generate_with_new_static_caches_matches_eager_on_cuda(kind: str) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_generate_with_new_static_caches_matches_eager_on_cuda(
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 tokens
     _check(kind, "cuda")
