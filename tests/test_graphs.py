@@ -238,9 +238,11 @@ def test_past_the_ring_the_path_clones_and_says_so() -> None:
             kept.append((out, out.clone()))  # kept forever
     for out, value in kept:
         torch.testing.assert_close(out, value)
-    # past the ring it clones, replaying into one more set (never held: it hands out clones)
-    assert g.clone and g.output_sets == MAX_OUTPUT_SETS + 1
-    assert calls.runs == 2 and g.replays == 2  # no call without the graph past the ring
+    # past the ring it clones: one call without the graph, then one set captured again (never
+    # held: it hands out clones) that replays; the ring's sets are forgotten
+    assert g.clone and g.output_sets == MAX_OUTPUT_SETS
+    assert calls.runs == 4 and g.replays == 1  # the 10th call, and the 11th before capture
+    assert [len(c.sets) for c in g.graphs.values()] == [1]
     assert len(warned) == 1 and "still referenced" in warned[0]
 
 

@@ -43,9 +43,10 @@ The contract, which is what makes that safe:
   storage use counts are checked.
   When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
   v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
-  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, one warning
-  says so, and the path clones its outputs from then on, replaying into one more set (never held,
-  since what it hands out are clones) while the ring's sets are still held.
+  rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
+  runs without a graph, one warning says so, and the path clones its outputs from then on: it
+  forgets the ring (freed as the caller lets its outputs go) and captures one set again, which
+  what it hands out (clones) never holds.
   ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
 - **Collectives.** A path whose call issues a torch.distributed collective (a tensor-parallel
   all-reduce) is never captured and runs its compiled code without a graph; the reason is in
@@ -208,13 +209,14 @@ class RegionGraphs:
         if outs is None and not self.clone and len(cap.sets) >= MAX_OUTPUT_SETS:
             self.clone = True
             self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
-                      "referenced (a long cache?), so a replay would overwrite one. The path "
-                      "clones its outputs from now on, replaying into one more output set while "
-                      "those are held; set clone_outputs = true on the region to start that way")
-        # A path that clones hands out copies, so a set it hands out from then on is never held:
-        # one set past the ring replays while the ring's own sets are still held (a window
-        # longer than the ring), instead of a call without the graph each time.
-        grow = outs is None and len(cap.sets) < MAX_OUTPUT_SETS + int(self.clone)
+                      "referenced (a long cache?), so a replay would overwrite one. That call "
+                      "ran without the graph, and the path clones its outputs from now on, from "
+                      "one output set; set clone_outputs = true on the region to start that way")
+            # It hands out clones now, so one set serves it: forget the ring (freed as the
+            # caller lets go); the next call captures one set again.
+            self._forget(sig)
+            return run_compiled(args, kwargs)[0]
+        grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
         if grow and not make_room(self.arena, self, self.arena.set_needed(cap.layout, set(),
                                                                           first=False)):
             grow = False
