@@ -88,15 +88,17 @@ NOW = [0.0]  # a virtual clock (s), as in tests/test_compile_cost.py
 COST = {Block: 1e-3, nn.Sequential: 5e-4}  # a block 1 ms, the head 0.5 ms; nothing else costs
 
 
-def _virtual_plan(step):  # type: ignore[no-untyped-def]
+def _virtual_plan(step, model: nn.Module | None = None,  # type: ignore[no-untyped-def]
+                  cost: dict[type, float] | None = None):
     """_plan timed by NOW, which each block and the head advance when they run (forward hooks,
     so the step's own Python and a preempted host cost nothing): the shares are exactly COST's,
     whatever the load. The step is still timed around STEP itself, so a step that bypasses the
     root's __call__ (model.forward, a method) is timed as much as model(x)."""
-    model = Net().eval()
+    model = (model or Net()).eval()
+    costs = COST if cost is None else cost
 
     def advance(m: nn.Module, args: object, out: object) -> None:
-        NOW[0] += COST.get(type(m), 0.0)
+        NOW[0] += costs.get(type(m), 0.0)
 
     hooks = [m.register_forward_hook(advance) for m in model.modules()]
     try:
@@ -474,7 +476,9 @@ def test_a_names_region_the_run_shows_unsafe_is_left_out_with_the_evidence() -> 
 
     model = Counted().eval()
     assert "blocks.0" in {c.path for c in find_regions(view_from_module(model)[0]).regions}
-    m = _plan(_no_grad_call, model)
+    # On the virtual clock (a block 1 ms, the head 0.5 ms): under load the host clock once made
+    # the head "under 0.1% of the step" and the plan empty; the mutation decides here, not time.
+    m = _virtual_plan(_no_grad_call, model, {CountingBlock: 1e-3, Mlp: 5e-4})
     left = {lo.path: (lo.kind, lo.reason) for lo in m.left_out}
     kind, why = left["blocks.0"]
     assert kind == "repeated_block"
@@ -554,3 +558,24 @@ def test_an_evidence_plan_on_the_gpu_times_with_events_and_its_regions_replay() 
                 assert sum(r.cuda_graph_replays for r in handle.report) >= 1
             finally:
                 handle.restore()
+
+
+def test_a_step_that_compiles_the_model_itself_is_watched_eager() -> None:
+    """transformers' generate() compiles the forward of a static cache on CUDA; on the H200 that
+    compile traced the watcher's hooks and the plan failed ("RuntimeError when making fake
+    tensor call"). The step's own torch.compile is ignored while it is watched and timed."""
+    traced = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+
+    def compiled_step(m: nn.Module) -> None:
+        with torch.no_grad():
+            torch.compile(m, backend=backend)(X)
+
+    m = _virtual_plan(compiled_step)
+    assert traced == [], "the step's own compile ran while the plan watched it"
+    assert {"blocks.0", "head"} <= set(_paths(m))

@@ -263,20 +263,25 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
 
     Module times are per step (summed over a path's calls, averaged over the hooked steps, and
     corrected for the hooks' overhead); ``step_ms`` is the fastest bare step, timed around STEP.
-    With ``autocast`` every step runs under ``torch.autocast`` of the model's device type.
-    Raises ModelSourceError when the step runs no module of the model.
+    With ``autocast`` every step runs under ``torch.autocast`` of the model's device type. The
+    step runs with any torch.compile of its own ignored (``force_eager``): the plan is of the
+    eager step. Raises ModelSourceError when the step runs no module of the model.
     """
     p = next(iter(model.parameters()), None)
     dev = p.device.type if p is not None else "cpu"
     cuda = dev == "cuda"
 
     def run() -> None:
+        # The step is watched eager: a torch.compile of its own (transformers' generate()
+        # compiles the forward of a static cache on CUDA) would trace the watcher's hooks and
+        # time compiled code. force_eager ignores it for the step and marks no code skipped.
         try:
-            if autocast is not None:
-                with torch.autocast(dev, dtype=autocast):
+            with torch.compiler.set_stance("force_eager"):
+                if autocast is not None:
+                    with torch.autocast(dev, dtype=autocast):
+                        step(model)
+                else:
                     step(model)
-            else:
-                step(model)
         except Exception as e:  # the user's step may fail in any way; say which part failed
             raise ModelSourceError(f"the --input step failed: {type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}",
