@@ -55,6 +55,23 @@ def fresh_cache_env(tag: str, **extra: str) -> dict[str, str]:
             "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
 
 
+def run_grid(script: str, tag: str, ref_var: str, models: list[str], arms: list[str],
+             n_calls: int, timeout: int) -> list[dict[str, Any]]:
+    """Every model x arm of ``script`` (``--model M --arm A --calls N``), each in a fresh
+    process with its own compile caches. The arms of one model share one reference file, named
+    to the child by ``ref_var``: the eager arm writes it and the others compare with it."""
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    results = []
+    for name in models:
+        ref = os.path.join(tmp, f"{tag}_ref_{os.getpid()}_{name}.pt")
+        for i, arm in enumerate(arms):
+            env = fresh_cache_env(f"{tag}_cache_{name}_{i}", **{ref_var: ref})
+            results.append(child_result(
+                [script, "--model", name, "--arm", arm, "--calls", str(n_calls)], env=env,
+                timeout=timeout, ident={"model": name, "arm": arm}))
+    return results
+
+
 def print_arm_result(run: Callable[[], dict[str, Any]], ident: dict[str, str]) -> None:
     """In an arm's own process: print ``run()``'s result as one JSON line, or its failure
     (type and first line of the message) as the arm's result, after the traceback on stderr."""

@@ -58,11 +58,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from _arms import (  # noqa: E402
     against_reference,
-    child_result,
-    fresh_cache_env,
     latency,
     paths_per_kind,
     print_arm_result,
+    run_grid,
     time_call,
 )
 
@@ -252,16 +251,7 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
 
 
 def run_all(models: list[str], arms: list[str], n_calls: int, timeout: int) -> list[dict]:
-    tmp = os.environ.get("TMPDIR", "/tmp")
-    results = []
-    for name in models:
-        ref = os.path.join(tmp, f"gpu_plans_ref_{os.getpid()}_{name}.pt")
-        for i, arm in enumerate(arms):
-            env = fresh_cache_env(f"gpu_plans_cache_{name}_{i}", GPU_PLANS_REF=ref)
-            results.append(child_result([__file__, "--model", name, "--arm", arm, "--calls",
-                                         str(n_calls)], env=env, timeout=timeout,
-                                        ident={"model": name, "arm": arm}))
-    return results
+    return run_grid(__file__, "gpu_plans", "GPU_PLANS_REF", models, arms, n_calls, timeout)
 
 
 def _pct(x: Any) -> str:
