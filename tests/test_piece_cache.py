@@ -3,19 +3,16 @@ once, across the graphs of a growing list cache and across blocks; region graphs
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 from torch import fx, nn
 
-from surgery.runtime.compile_options import plan_region
 from surgery.runtime.piece_cache import PieceCache, canonical_graph, piece_key
-from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
-from surgery.runtime.report import RegionRecord
+from surgery.runtime.piecewise import PiecewiseGroup
 from tests.test_graphs import FakeCapturer
-from tests.test_piecewise import RopeStack, piecewise_manifest
+from tests.test_piecewise import install_rope_stack
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -78,16 +75,7 @@ def test_list_cache_graphs_share_pieces_and_each_path_its_region_graphs(
         return inner(self, gm, example)
 
     monkeypatch.setattr(PiecewiseGroup, "_compile_piece", counting)
-    model = RopeStack().eval()
-    ref = copy.deepcopy(model)
-    paths = ["blocks.0", "blocks.1"]
-    manifest = piecewise_manifest(model, paths, ["self.attn.kv_cache"])
-    region = manifest.regions[0]
-    plan = plan_region(manifest, region, overrides=None, on_cuda=False)
-    groups: dict[Any, Any] = {}
-    slots = [install_piecewise(model.get_submodule(p), "forward",
-                               RegionRecord(p, "piecewise", "forward", "pending"), region, plan,
-                               groups, FakeCapturer()) for p in paths]
+    model, ref, slots = install_rope_stack(FakeCapturer())
     with torch.inference_mode():
         for s in range(12):
             if s == 8:  # a new stream: length 1 recurs, and compiles (cache_sources)

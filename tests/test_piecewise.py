@@ -214,20 +214,27 @@ class RopeStack(nn.Module):
         return x
 
 
-def test_pieces_replay_and_held_outputs_are_never_overwritten() -> None:
-    """Region graphs of the pieces, driven on the CPU by a stand-in capturer: the pieces
-    replay, and the k and v the list cache holds (a piece's outputs) keep their values."""
+def install_rope_stack(capturer: Any) -> tuple[RopeStack, RopeStack, list[Any]]:
+    """A RopeStack with both blocks piecewise over their list cache, under ``capturer``; its
+    eager twin; the installed slots."""
     model = RopeStack().eval()
     ref = copy.deepcopy(model)
     paths = ["blocks.0", "blocks.1"]
     manifest = piecewise_manifest(model, paths, ["self.attn.kv_cache"])
     region = manifest.regions[0]
     plan = plan_region(manifest, region, overrides=None, on_cuda=False)
-    cap: Any = FakeCapturer()
     groups: dict[Any, Any] = {}
     slots = [install_piecewise(model.get_submodule(p), "forward",
                                RegionRecord(p, "piecewise", "forward", "pending"), region, plan,
-                               groups, cap) for p in paths]
+                               groups, capturer) for p in paths]
+    return model, ref, slots
+
+
+def test_pieces_replay_and_held_outputs_are_never_overwritten() -> None:
+    """Region graphs of the pieces, driven on the CPU by a stand-in capturer: the pieces
+    replay, and the k and v the list cache holds (a piece's outputs) keep their values."""
+    cap: Any = FakeCapturer()
+    model, ref, slots = install_rope_stack(cap)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.inference_mode():
         for s in range(10):
