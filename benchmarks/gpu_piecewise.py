@@ -22,11 +22,13 @@ start, peak GPU memory above the weights, the eager step's coverage by the plan 
 the share of the eager step inside the plan's regions; a piecewise block counts whole, its
 attention included), pieces captured / replays / ops between pieces / recompiles summed over the
 piecewise paths, and the largest relative output difference from eager over 24 frames (SDPA) or
-whether every token equals eager's (GPT-2). The piecewise arms also break their cold start down
-(``cold_breakdown``): dynamo's tracing and guards, the backends dynamo called (inductor for the
-plain regions, the split for piecewise ones), the pieces' own compiles after the trace, the
-captures, and the counts: dynamo graphs, piecewise graphs, pieces compiled and shared (identical
-pieces of other graphs and blocks), calls run eager on a new list-cache structure.
+whether every token equals eager's (GPT-2). The compiled arms (SDPA and GPT-2) also break
+their cold start down (``cold_breakdown``): dynamo's tracing and guards, the backends dynamo
+called (inductor for the plain regions, the split for piecewise ones), the pieces' own compiles
+after the trace, the captures, and the counts: dynamo graphs, piecewise graphs, pieces compiled
+and shared (identical pieces of other graphs and blocks), calls run eager on a new list-cache
+structure, the seconds of each dynamo frame compile, and the guard failure that triggered each
+recompile (dynamo's ``recompiles`` log, captured, not printed).
 
     python benchmarks/gpu_piecewise.py --all [--out results.json]       # on the H200
     python benchmarks/gpu_piecewise.py --arm sdpa_piecewise --frames 24  # one arm, this process
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -159,7 +162,34 @@ def _without_trunk(manifest: Any, names: Any) -> None:
             manifest.regions.append(dataclasses.replace(r, paths=paths))
 
 
-def _cold_breakdown(handle: Any, out: dict[str, Any]) -> None:
+class _Recompiles(logging.Handler):
+    """Keeps the first guard failure of each dynamo recompile (what triggered it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.triggers: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("- ")]
+        if lines and len(self.triggers) < 16:
+            self.triggers.append(lines[0][2:][:200])
+
+
+def _watch_recompiles() -> _Recompiles:
+    """Capture dynamo's recompile reasons (the `recompiles` log) without printing them."""
+    import torch
+
+    torch._logging.set_logs(recompiles=True)
+    handler = _Recompiles()
+    log = logging.getLogger("torch._dynamo.guards.__recompiles")
+    log.addHandler(handler)
+    log.propagate = False
+    return handler
+
+
+def _cold_breakdown(handle: Any, out: dict[str, Any],
+                    recompiles: _Recompiles | None = None) -> None:
     """Where the cold start went (this process compiled nothing before the arm)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -179,6 +209,11 @@ def _cold_breakdown(handle: Any, out: dict[str, Any]) -> None:
         "pieces_compiled": sum(r.pieces_compiled for r in pw),
         "pieces_shared": sum(r.pieces_shared for r in pw),
         "new_structure_calls": sum(r.new_structure_calls for r in pw)}
+    # each dynamo frame compile (trace + guards + backend), in order
+    out["cold_breakdown"]["dynamo_each_s"] = [
+        round(x, 2) for x in compilation_time_metrics.get("_compile.compile_inner", [])][:16]
+    if recompiles is not None:  # each dynamo recompile's first guard failure
+        out["cold_breakdown"]["recompile_triggers"] = recompiles.triggers
 
 
 def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
@@ -207,6 +242,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     handle = None
+    recompiles = _watch_recompiles()
     if arm != "sdpa_eager":
         piecewise = arm.startswith("sdpa_piecewise")  # the three piecewise arms
         manifest = plan_model(spec, compile=compile_defaults(), piecewise=piecewise).manifest
@@ -232,7 +268,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
                 sync()
                 out["cold_s"] = round(time.perf_counter() - t0, 2)
                 if handle is not None:
-                    _cold_breakdown(handle, out)
+                    _cold_breakdown(handle, out, recompiles)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             with ac:
@@ -278,6 +314,7 @@ def run_gpt2(arm: str) -> dict[str, Any]:
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     handle = None
+    recompiles = _watch_recompiles()
     if arm in ("gpt2_piecewise", "gpt2_stack"):
         manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
                               piecewise=True).manifest
@@ -294,6 +331,8 @@ def run_gpt2(arm: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     tokens, _, _ = time_call(lambda: generate(model), cuda=cuda)  # warm at full length
     out["cold_s"] = round(time.perf_counter() - t0, 2)
+    if handle is not None:  # the cold start's parts, and what made dynamo trace again
+        _cold_breakdown(handle, out, recompiles)
     times = []
     for _ in range(3):
         tokens, ms, _ = time_call(lambda: generate(model), cuda=cuda)
@@ -366,12 +405,17 @@ def cold_table(results: list[dict[str, Any]]) -> str:
     keys = ("dynamo_trace_s", "backend_s", "piece_compile_s", "capture_s", "dynamo_graphs",
             "piecewise_graphs", "pieces_compiled", "pieces_shared", "new_structure_calls")
     rows = ["| arm | cold s | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    triggers = []
     for r in results:
         b = r.get("cold_breakdown")
         if b:
             rows.append(f"| {r['arm']} | {r['cold_s']:.1f} | " +
                         " | ".join(str(b.get(k, "")) for k in keys) + " |")
-    return "\n".join(rows)
+            triggers += [f"- {r['arm']} recompile {i + 1}: {t}"
+                         for i, t in enumerate(b.get("recompile_triggers", []))]
+    if len(rows) == 2:
+        rows.append("| (no arm has a breakdown: only compiled arms have one) |" + " |" * len(keys))
+    return "\n".join(rows + triggers)
 
 
 def main() -> None:
