@@ -264,11 +264,11 @@ def test_a_dropped_graph_is_parked_until_the_last_of_its_pool_goes() -> None:
     """Destroying a CUDAGraph clears its capture stream's cuBLAS workspace, which the graphs
     still alive on that stream use (pytorch#193402): a demoted path's graph waits, parked,
     until the last graph of the pool is dropped."""
-    from surgery.runtime.graphs.capture import CudaCapturer, _PooledGraph
+    from surgery.runtime.graphs.capture import CudaCapturer, PooledGraph
 
     _StubGraph.destroyed.clear()
     owner = CudaCapturer(0)  # no CUDA call until it captures
-    graphs = [_PooledGraph(_StubGraph(i), owner) for i in range(3)]  # type: ignore[arg-type]
+    graphs = [PooledGraph(_StubGraph(i), owner) for i in range(3)]  # type: ignore[arg-type]
     assert owner.live == 3
     del graphs[1]  # demoted: parked, not destroyed
     assert _StubGraph.destroyed == [] and len(owner.parked) == 1

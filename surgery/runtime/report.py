@@ -327,9 +327,14 @@ class GraphMemory:
     over_cap: list[str] = field(default_factory=list)  # paths the cap kept a graph from
     # (path, bytes its graphs held alone): what the cap demoted, largest first, in order
     demoted: list[tuple[str, int]] = field(default_factory=list)
-    # What the capture stream keeps allocated (its cuBLAS workspace: CudaCapturer.stream_bytes),
+    # What the capture streams keep allocated (their cuBLAS workspace: CudaCapturer.stream_bytes),
     # for as long as the process runs; no path's, so in the total only.
     capture_stream: int = 0
+    # Of it, what surgery's side stream keeps (captures made while the caller ran on the default
+    # stream, which cannot be captured on); and how many captures ran on each kind of stream.
+    side_stream: int = 0
+    side_captures: int = 0
+    caller_captures: int = 0
 
     @property
     def outputs(self) -> int:
@@ -367,4 +372,13 @@ class GraphMemory:
         if self.demoted:
             text += (f", the largest first ({len(self.demoted)} demoted, the first "
                      f"{self.demoted[0][0]} holding {self.demoted[0][1] / div:.2f} {unit})")
-        return text
+        return text + self.stream_hint()
+
+    def stream_hint(self) -> str:
+        """How to avoid the side stream's workspace, when the graphs paid for one ("" if not)."""
+        if not self.side_stream:
+            return ""
+        return (f"; the capture stream's {self.side_stream / 2**20:.1f} MiB is cuBLAS's workspace "
+                "for surgery's side stream, used because the model ran on the default stream: "
+                "run it under `with torch.cuda.stream(torch.cuda.Stream()):` and graphs capture "
+                "on that stream, sharing eager's workspace")

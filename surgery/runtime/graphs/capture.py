@@ -1,9 +1,39 @@
 """Capturing CUDA graphs for surgery's region graphs (surgery.runtime.graphs.replay): who captures,
 and where.
 
-``CudaCapturer`` captures on a side stream into one memory pool shared by every live region
-graph of a device. ``surgery.runtime.graphs.replay`` talks to it through the ``Capturer`` protocol,
-which is also how the tests drive the same logic on a CPU with a stand-in graph.
+``CudaCapturer`` captures into one memory pool shared by every live region graph of a device.
+``surgery.runtime.graphs.replay`` talks to it through the ``Capturer`` protocol, which is also how
+the tests drive the same logic on a CPU with a stand-in graph.
+
+Which stream. A CUDA graph cannot be captured on the device's default stream (torch refuses:
+"CUDA graphs must be captured on a non-default stream"), and every stream a matmul runs on gets
+cuBLAS's workspace of its own, for good: torch keeps one per (handle, stream), 32 MiB by default
+on Hopper (``CUBLAS_WORKSPACE_CONFIG``), and a captured graph keeps using the one of the stream
+it was captured on. So:
+
+- **On the caller's stream** when the caller's current stream is not the default stream (the
+  model runs under ``torch.cuda.stream(s)``): the graph captures right there. Eager's workspace
+  for that stream is already there, so the capture adds none (H200: +0.01 MiB, against +33 MiB
+  on a side stream), and the warm-up run's temporaries come from that stream's cache.
+- **On a side stream** of surgery's when the caller runs on the default stream, as before: that
+  stream's workspace (33 MiB on an H200) and cache are surgery's cost, in ``stream_bytes`` and
+  the report, whose line says how to avoid it.
+
+Whether the default-stream case could share eager's workspace too: not without unsafe tricks.
+torch picks the workspace inside ``getCurrentCUDABlasHandle`` from its map for the current
+stream and sets it on the handle at every call (CublasHandlePool.cpp, ``setWorkspaceForHandle``);
+nothing public points one stream's entry at another's memory, capture on the default stream is
+refused, and a smaller ``CUBLAS_WORKSPACE_CONFIG`` sizes eager's workspace as well (on the H200,
+``:4096:1`` made eager's M=1 matmuls 5x slower). Freeing the side stream's workspace after
+capture would leave the graphs pointing at freed memory (pytorch#193402, below).
+
+Graphs replay on the caller's current stream. One captured on a caller's stream A and replayed
+on another stream B uses A's workspace, which eager work on A uses too; so such a replay waits
+for A's work before it, and A waits for the replay after it (``cross_stream_replays`` counts
+them). Graphs captured on different streams do not share temporaries (the caching allocator
+keeps a pool's blocks per stream), so a model run on several streams holds a pool share for each.
+A graph captured on the side stream replays anywhere without waits: only graphs use that
+stream's workspace, and two region graphs never run at once (replay.py).
 
 WriteProbe: which inputs a call wrote in place, for normal tensors and for inference tensors alike.
 
@@ -51,8 +81,14 @@ class Capturer(Protocol):
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
 
+# The current stream's raw handle, cheap enough for every replay (inductor's generated code reads
+# it the same way); torch.cuda.current_stream builds a Stream object per call.
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class CudaCapturer:
-    """Captures on a side stream into one memory pool shared by every live region graph.
+    """Captures on the caller's stream, or on a side stream when that is the default stream (see
+    the module's docstring), into one memory pool shared by every live region graph.
 
     It calls ``CUDAGraph.capture_begin`` directly: ``torch.cuda.graph`` empties the allocator's
     cache on every capture, which costs time across a hundred captures. The allocator frees a
@@ -64,8 +100,9 @@ class CudaCapturer:
     parameters, a demotion under max_graph_memory) is parked, not destroyed, until the last
     one goes: destroying a CUDAGraph clears the cuBLAS workspaces of its capture stream
     (``CUDAGraph::reset`` -> ``clearCublasWorkspacesForStream`` in recent torch), which every
-    live graph captured on that one side stream still uses (pytorch#193402). Parking costs no
-    memory: the pool is shared and is freed only with its last graph anyway.
+    live graph captured on that stream still uses (pytorch#193402). Parking costs no memory:
+    the pool is shared and is freed only with its last graph anyway. When the last one goes, a
+    caller's stream loses its workspace too; eager's next matmul there allocates it again.
     """
 
     def __init__(self, device: int) -> None:
@@ -74,29 +111,49 @@ class CudaCapturer:
         self.live = 0  # graphs of the current pool still alive
         self.arena: Any = None  # surgery.runtime.graphs.arena.BufferArena, attached by its user
         self.last_growth = 0  # reserved bytes the last capture added (its pool's temporaries)
-        # What the side stream's warm-up runs left allocated: above all cuBLAS's workspace for
-        # the (handle, stream) pair, which captured matmuls use for good (PyTorch keeps one per
-        # stream; 32 MiB on Hopper by default, CUBLAS_WORKSPACE_CONFIG sets it).
+        # What the warm-up runs before each capture left allocated on the capture stream: above
+        # all cuBLAS's workspace for the (handle, stream) pair, which captured matmuls use for
+        # good (32 MiB on Hopper by default). On the side stream that is surgery's cost; on a
+        # caller's stream eager's first call made it already, so it is about 0.
         self.stream_bytes = 0
+        self.side_bytes = 0  # the part of stream_bytes kept on the side stream
+        self.side_captures = 0  # captures on the side stream (the caller ran on the default)
+        self.caller_captures = 0  # captures on the caller's own stream
+        self.cross_stream_replays = 0  # replays on another stream than their capture's
         self.parked: list[torch.cuda.CUDAGraph] = []  # dropped while others live (see above)
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
 
+    def current_raw(self) -> int:
+        """The raw handle of this device's current stream."""
+        if _raw_current_stream is not None:
+            return int(_raw_current_stream(self.device))
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
     def capture(self, work: Callable[[], None]) -> Graph:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        if self.live == 0:
+        if self.live == 0:  # a new pool; the last graph took its streams' workspaces with it
             self._pool = torch.cuda.graph_pool_handle()
+            self.stream_bytes = self.side_bytes = self.side_captures = self.caller_captures = 0
             if self.arena is not None:
                 self.arena.pool_bytes = 0
-        side, current = self._stream, torch.cuda.current_stream(self.device)
-        side.wait_stream(current)
+        current = self.current_stream()
+        on_caller = current.cuda_stream != torch.cuda.default_stream(self.device).cuda_stream
+        if on_caller:
+            stream = current  # work queued on it before runs first, in stream order
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            stream = self._stream
+            stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         reserved = torch.cuda.memory_reserved(self.device)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):  # also makes the capturer's device current
             allocated = torch.cuda.memory_allocated(self.device)
-            work()  # warm the side stream (cuBLAS workspace, lazy inits) outside the capture
-            self.stream_bytes += max(0, torch.cuda.memory_allocated(self.device) - allocated)
+            work()  # warm the stream (cuBLAS workspace, lazy inits) outside the capture
+            kept = max(0, torch.cuda.memory_allocated(self.device) - allocated)
             graph.capture_begin(pool=self._pool)
             try:
                 work()
@@ -105,14 +162,20 @@ class CudaCapturer:
                     graph.capture_end()
                 raise
             graph.capture_end()
-        current.wait_stream(side)
-        # The pool's growth, and the side stream's cache for the warm-up run before it.
+        self.stream_bytes += kept
+        if on_caller:
+            self.caller_captures += 1
+        else:
+            current.wait_stream(stream)
+            self.side_captures += 1
+            self.side_bytes += kept
+        # The pool's growth, and the stream's cache for the warm-up run before it.
         self.last_growth = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         if self.arena is not None:
             self.arena.pool_bytes += self.last_growth
             self.arena.pool_reader = self.pool_reserved
             self.arena.stream_bytes = self.stream_bytes
-        return _PooledGraph(graph, self)
+        return PooledGraph(graph, self, stream if on_caller else None)
 
     def pool_reserved(self) -> int | None:
         """Bytes the current capture pool holds (the allocator's snapshot), or None."""
@@ -129,13 +192,21 @@ class CudaCapturer:
                    if tuple(seg.get("segment_pool_id", ())) == want)
 
 
-class _PooledGraph:
-    """A captured graph that keeps its capturer's count of live graphs in its pool."""
+class PooledGraph:
+    """A captured graph that keeps its capturer's count of live graphs in its pool.
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, owner: CudaCapturer) -> None:
-        self.replay = graph.replay
+    ``stream``: the caller's stream it was captured on (None: the side stream). Such a graph
+    replayed on another stream is ordered against its capture stream both ways, since eager work
+    there uses the same cuBLAS workspace (the module's docstring).
+    """
+
+    def __init__(self, graph: Any, owner: CudaCapturer, stream: Any = None) -> None:
         self._graph = graph
         self._owner = owner
+        self.stream = stream
+        # A bound method of self would make a cycle and delay __del__ (the parking count) to
+        # the garbage collector: replay is the graph's own method, or a closure without self.
+        self.replay = graph.replay if stream is None else ordered_replay(graph, owner, stream)
         owner.live += 1
 
     def __del__(self) -> None:
@@ -146,6 +217,23 @@ class _PooledGraph:
         else:
             owner.parked.clear()
 
+
+def ordered_replay(graph: Any, owner: CudaCapturer, stream: Any) -> Callable[[], None]:
+    """``graph.replay`` for a graph captured on the caller's ``stream``: on that stream as it
+    is; on any other, after the capture stream's work so far, and before its next work."""
+    raw = int(stream.cuda_stream)
+
+    def replay() -> None:
+        if owner.current_raw() == raw:
+            graph.replay()
+            return
+        owner.cross_stream_replays += 1
+        current = owner.current_stream()
+        current.wait_stream(stream)  # eager work queued on the capture stream goes first
+        graph.replay()
+        stream.wait_stream(current)  # and what it queues next waits for the replay
+
+    return replay
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

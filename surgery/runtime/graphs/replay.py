@@ -51,8 +51,8 @@ The contract, which is what makes that safe:
 - **Collectives.** A path whose call issues a torch.distributed collective (a tensor-parallel
   all-reduce) is never captured and runs its compiled code without a graph; the reason is in
   its record (surgery.runtime.graphs.collectives holds the evidence).
-- **Streams.** Graphs replay on the caller's current stream; two region graphs must not run
-  concurrently on different streams, since they share one pool of temporaries.
+- **Streams.** Graphs capture and replay on the caller's stream (graphs.capture says when not);
+  two region graphs must not run concurrently on different streams: they share one pool.
 """
 
 from __future__ import annotations
