@@ -119,7 +119,7 @@ def _as_before() -> None:
     import surgery.runtime.piecewise as piecewise
 
     piece_cache.piece_key = lambda *a, **k: None  # type: ignore[assignment]
-    piecewise.MAX_STRUCTURES = 0  # every structure counts as seen: each compiles at once
+    piecewise.DEFER_STRUCTURES = False  # every list-cache structure compiles at once
 
 
 def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:

@@ -65,8 +65,11 @@ def test_state_outside_the_inputs_is_never_shared() -> None:
 
 def test_list_cache_graphs_share_pieces_and_each_path_its_region_graphs(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A list cache gives one dynamo graph per length; their pieces are compiled once, and each
-    path keeps one set of region graphs per distinct piece, not per graph."""
+    """A list cache gives one dynamo graph per length that compiles: the first frame's and the
+    full window's. Their pieces are the same two (the join of this frame's k, v with the cache
+    runs between pieces even when the cache is empty), compiled once each, and each path keeps
+    one set of region graphs per distinct piece, not per graph. A second stream compiles
+    nothing: the length it passes through while filling never holds two calls in a row."""
     compiled: list[int] = []
     inner = PiecewiseGroup._compile_piece
 
@@ -76,21 +79,52 @@ def test_list_cache_graphs_share_pieces_and_each_path_its_region_graphs(
 
     monkeypatch.setattr(PiecewiseGroup, "_compile_piece", counting)
     model, ref, slots = install_rope_stack(FakeCapturer())
+    group = slots[0].group
     with torch.inference_mode():
         for s in range(12):
-            if s == 8:  # a new stream: length 1 recurs, and compiles (cache_sources)
+            if s == 8:  # a new stream: lengths 0 and 1 come back
                 for blk in (*model.blocks, *ref.blocks):
                     blk.attn.kv_cache.clear()
             x = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(s))
             torch.testing.assert_close(model(x), ref(x))
-    group = slots[0].group
+            if s == 7:
+                first_stream = len(group.graphs)
     pieces = sum(len(g.static) for g in group.graphs)
-    assert len(group.graphs) == 3 and pieces == 6  # lengths 0, 1, 2 (window 2), 2 pieces each
-    assert len(compiled) == group.pieces.compiles < pieces  # compiled once per distinct piece
+    assert first_stream == len(group.graphs) == 2  # lengths 0 and 2 (window 2)
+    assert pieces == 4  # 2 a graph
+    assert len(compiled) == group.pieces.compiles == 2  # the same two pieces in both graphs
     assert group.pieces.shared == pieces - len(compiled)
     recs = [s.record for s in slots]
     assert sum(r.pieces_compiled for r in recs) == len(compiled)
     assert sum(r.pieces_shared for r in recs) == pieces - len(compiled)
+    assert all(r.new_structure_calls == 3 for r in recs)  # length 1 twice, length 2 once
     for slot in slots:
         assert len(slot.graphs.graphs) == len(compiled)  # region graphs per distinct piece
         assert slot.record.cuda_graph_replays >= 8
+
+
+def _qkv_then(order: str) -> Any:
+    """q, k, v from x by the same ops, then joined in ``order`` (a split op), then scaled."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = x * 3, x * 2, x + 1
+        parts = {"q": q, "k": k, "v": v}
+        return torch.cat([parts[c] for c in order], dim=-1) * 2
+    return fn
+
+
+def test_pieces_that_differ_only_in_their_users_order_share_one_compile() -> None:
+    """The same ops before a split op give one piece whatever order the split op reads their
+    values in (a frame block reads q, k, v; a streaming block's cache join reads k, v first):
+    the piece returns them in the order it computes them, and each caller gets its own order."""
+    from surgery.runtime.piecewise_split import PiecewiseGraph
+
+    cache = PieceCache(lambda gm, args: gm.forward)
+    x = torch.randn(2, 4)
+    for order in ("qkv", "vkq", "kvq"):
+        fn = _qkv_then(order)
+        gm = fx.symbolic_trace(fn)
+        graph = PiecewiseGraph(gm, [x], split_ops=("cat",), cache_ids=set(), stable_ids=set(),
+                               pieces=cache, state_for=lambda: None)
+        assert len(graph.static) == 2  # q, k, v before the cat; the scale after it
+        torch.testing.assert_close(graph(x), fn(x))  # each caller gets its own order
+    assert cache.compiles == 2 and cache.shared == 4  # the same two pieces, three times

@@ -6,7 +6,7 @@ A source names a forward argument (``past_key_values:2``) or an attribute path o
 to tell the split which graph inputs are the cache (surgery.runtime.piecewise_split). Every walk
 is bounded: a hostile manifest names a source, never a walk of unbounded size.
 
-**The structure of a list cache, and why a new one runs eager once.** Dynamo traces a Python
+**The structure of a list cache, and when a new one compiles.** Dynamo traces a Python
 list of tensors element by element, so a cache kept as a list (the SDPA example's sliding
 windows: one ``(k, v)`` per frame, or the camera trunk's ``cache[global_idx]``) gives one graph
 per list length until its window is full. No dim can be marked for a list's length
@@ -17,11 +17,15 @@ of them used once per stream, and the cold start went from 36.7 s to 124.4 s.
 So ``cache_structure`` gives the lengths of the lists and tuples under the sources that have no
 dim (tensors and scalars are leaves: a tensor's growth is the marked dim's business), and a
 piecewise path compiles its first structure at once (its first call proves the region, in
-warm-up), but a *further* structure only when it is seen the second time: the first time, the
-block runs its original forward. A window that fills runs eager while it fills and compiles
-once, when full; a stream that starts again compiles the lengths that recur, on their second
-sighting. Correctness never depends on this: dynamo's guards still choose the graph that runs,
-and an eager call is the model's own code; the rule only decides when a compile may happen.
+warm-up), but a *further* structure only when two calls in a row show it (surgery.runtime.
+piecewise): until then the block runs its original forward. A window that fills runs eager while
+it fills and compiles once, when full, and the lengths a stream passes through while it fills
+never compile, however many streams start again. (The rule before compiled a length when it
+recurred: a second stream compiled every length the warm-up stream had shown, 1 and 2 with 3
+warm-up frames, which is 8 of the trunk's 16 graphs on the H200, each run once per stream, and a
+third stream would compile the rest.) Correctness never depends on this: dynamo's guards still
+choose the graph that runs, and an eager call is the model's own code; the rule only decides
+when a compile may happen.
 """
 
 from __future__ import annotations
@@ -43,8 +47,7 @@ SOURCE_RE = re.compile(r"^(self(\.[A-Za-z][A-Za-z0-9_]*)+|[A-Za-z][A-Za-z0-9_]*)
 # the structure, items) it takes.
 MAX_DEPTH = 4
 MAX_TENSORS = 4096
-# Distinct structures a path remembers; past it every structure counts as seen (and compiles,
-# within the path's compile budget).
+# Distinct structures a path remembers having run compiled (they run compiled again at once).
 MAX_STRUCTURES = 64
 
 

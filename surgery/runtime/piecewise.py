@@ -43,8 +43,8 @@ RegionFallbackWarning (``on_failure = "error"`` raises instead): a graph break i
 (it compiles ``fullgraph``), a branch on the cache length, or more recompiles than its budget.
 A cache that is a Python list of fixed tensors (the example's sliding window) changes the
 graph's structure until the window is full, and no dim can be marked for a list's length: a path
-compiles its first structure, and a further one only when it recurs (its first sighting runs the
-block eager), so a window that fills compiles once when full (surgery.runtime.cache_sources).
+compiles its first structure, and a further one only when two calls in a row show it (else the
+block runs eager), so a window that fills compiles once, when full (surgery.runtime.cache_sources).
 The pieces of all those graphs are compiled once each (surgery.runtime.piece_cache).
 """
 
@@ -88,6 +88,9 @@ from surgery.runtime.slots import _make_wrapper
 _STABLE_CALLS = 2
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
 PIECEWISE_MAX_COMPILES = 8
+# A further list-cache structure compiles only once it holds for two calls in a row (see
+# surgery.runtime.cache_sources); False compiles each at once (what benchmarks compare with).
+DEFER_STRUCTURES = True
 
 # Raised by a fullgraph compile past dynamo's recompile limit (a plain Exception).
 _RECOMPILE_LIMIT = (torch._dynamo.exc.FailOnRecompileLimitHit,)
@@ -121,8 +124,9 @@ class PiecewiseSlot:
     cache_ids: set[int] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     standby: str | None = None  # the piecewise stack this block stands by for
-    # list-cache structures (surgery.runtime.cache_sources) seen, and those a compiled call ran on
-    seen: set[Any] = field(default_factory=set)
+    # the list-cache structure (surgery.runtime.cache_sources) of the last call, and those a
+    # compiled call ran on
+    last: Any = None
     ran: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -137,10 +141,10 @@ class PiecewiseSlot:
             return self.eager(*args, **kwargs)
         try:
             shape = self._structure(args, kwargs)
+            last, self.last = self.last, shape
             if shape is not None and shape not in self.ran:
-                new = shape not in self.seen and len(self.seen) < MAX_STRUCTURES
-                self.seen.add(shape)
-                if new and rec.compiled_runs:  # a further structure: compiled when it recurs
+                if rec.compiled_runs and DEFER_STRUCTURES and shape != last:
+                    # a further structure compiles once it holds from one call to the next
                     rec.eager_calls += 1
                     rec.new_structure_calls += 1
                     return self.eager(*args, **kwargs)

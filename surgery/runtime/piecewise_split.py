@@ -8,9 +8,17 @@ Which op goes *between* pieces (a "split node"), decided once per FX graph dynam
 - an input or its output has a symbolic (dynamic) size, or it is a SymInt computation: the
   dims the runtime marked dynamic, the cache length, flow through it;
 - it reads a graph input that came from the block's cache (the tensors the runtime found at
-  the cache sources the manifest names), e.g. the ``cat`` that appends to a cache.
+  the cache sources the manifest names), e.g. the ``cat`` that appends to a cache;
+- it joins tensors (``cat``, ``stack``) and one of them is also a graph output: a tensor this
+  call stores in the block's state, so the join reads the cache *with* this call's entry. With
+  an empty cache (a stream's first frame) that join has no cache input, and without this rule
+  it would sit inside the piece before attention, making that piece differ from every later
+  frame's: one more compile of the block's largest piece.
 
-Every other op is static. Runs of consecutive ops of one class become one piece
+Every other op is static. A piece returns its values in the order they are computed (not the
+order split_module happened to discover their users), so that the same ops give the same piece
+whoever uses its outputs (a frame block's and a streaming block's projections before attention).
+ Runs of consecutive ops of one class become one piece
 (``torch.fx.passes.split_module``, order kept), so pieces follow program order and never form a
 cycle. A static piece has fixed shapes: it is compiled with the manifest's backend on its first
 call (with that call's real tensors), once per distinct piece (surgery.runtime.piece_cache: the
@@ -67,15 +75,21 @@ def _symbolic(value: Any) -> bool:
     return False
 
 
+# Ops that join tensors: one that joins a tensor the call also stores reads the cache.
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+
+
 def classify(gm: fx.GraphModule, *, split_ops: Sequence[str], cache_inputs: set[str]
              ) -> dict[fx.Node, bool]:
     """For each call node: True if it runs between pieces (see the module docstring)."""
     ops = set(split_ops)
+    returned = {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     out: dict[fx.Node, bool] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        why = op_name(node) in ops or _symbolic(node.meta.get("example_value"))
+        why = op_name(node) in ops or _symbolic(node.meta.get("example_value")) or (
+            op_name(node) in _JOINS and not returned.isdisjoint(node.all_input_nodes))
         for arg in node.all_input_nodes:
             if why:
                 break
@@ -135,15 +149,25 @@ def _merge_free_runs(between: dict[fx.Node, bool]) -> dict[fx.Node, bool]:
     return out
 
 
-def _tuple_output(gm: fx.GraphModule) -> bool:
-    """Make the piece return a tuple (backends require one); True if it returned one value."""
+def canonical_output(gm: fx.GraphModule) -> tuple[bool, tuple[int, ...] | None]:
+    """Make the piece return a tuple (backends require one), its values in the order the graph
+    computes them. Returns (whether it returned one value, the permutation ``perm`` with
+    ``returned[i] = canonical[perm[i]]``, None when the order is kept)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     value = out.args[0]
-    if isinstance(value, tuple | list):
-        return False
-    out.args = ((value,),)
+    if not isinstance(value, tuple | list):
+        out.args = ((value,),)
+        gm.recompile()
+        return True, None
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not all(isinstance(v, fx.Node) for v in value) or len(set(value)) != len(value):
+        return False, None  # a constant or a value returned twice: keep the order
+    ordered = sorted(value, key=pos.__getitem__)
+    if ordered == list(value):
+        return False, None
+    out.args = (tuple(ordered),)
     gm.recompile()
-    return True
+    return False, tuple(ordered.index(v) for v in value)
 
 
 def _is_work(gm: fx.GraphModule) -> bool:
@@ -257,10 +281,10 @@ class _PieceCall:
         return [next(st) if j in pos else next(it) for j in range(self.piece.arity)]
 
     def raw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.piece.run(self.merge(args))
+        return self.piece.run_canonical(self.merge(args))
 
     def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
-        return self.piece.run(self.merge(args)), True
+        return self.piece.run_canonical(self.merge(args)), True
 
 
 class StaticPiece(nn.Module):
@@ -277,7 +301,8 @@ class StaticPiece(nn.Module):
         self._pieces = [pieces]  # a list: not a submodule
         self._fn: CompiledPiece | None = None
         self.key: Any = None  # what makes it interchangeable with other pieces (piece_cache)
-        self._single = _tuple_output(gm)
+        # its values come back in the graph's order (canonical_output); put back per caller
+        self._single, self._perm = canonical_output(gm)
         self.work = True
         self._owner = [owner]
 
@@ -295,9 +320,19 @@ class StaticPiece(nn.Module):
                     state.shared += 1
         return self._fn
 
+    def run_canonical(self, args: list[Any]) -> Any:
+        """The compiled piece's outputs, in the canonical order (what region graphs capture:
+        identical pieces share them whatever order each caller wants)."""
+        return self.ensure(args, None)(*args)  # dynamo's calling convention
+
+    def restore(self, out: Sequence[Any]) -> Any:
+        """The outputs as this piece's callers expect them: one value, or the tuple in order."""
+        if self._single:
+            return out[0]
+        return tuple(out) if self._perm is None else tuple(out[p] for p in self._perm)
+
     def run(self, args: list[Any]) -> Any:
-        out = self.ensure(args, None)(*args)  # dynamo's calling convention
-        return out[0] if self._single else tuple(out)
+        return self.restore(self.run_canonical(args))
 
     def forward(self, *args: Any) -> Any:
         state = self._owner[0].state_for()
@@ -310,9 +345,9 @@ class StaticPiece(nn.Module):
         stable = [args[j] for j in self.stable_pos]
         # One set of graphs per distinct piece AND the weights it runs with: the stack region's
         # blocks run one piece code with each block's own parameters (by identity: a parameter
-        # moved in place keeps its set, whose graphs are dropped below); and one piece's graphs
-        # serve another that hands its output back the same way (a value, or a tuple of one).
-        gkey = (self.key, self._single, tuple(id(t) for t in stable))
+        # moved in place keeps its set, whose graphs are dropped below). The graphs return the
+        # canonical outputs, so one piece's graphs serve every identical piece.
+        gkey = (self.key, tuple(id(t) for t in stable))
         entry = state.graphs.get(gkey)
         if entry is None:
             call = _PieceCall(self)
@@ -329,5 +364,5 @@ class StaticPiece(nn.Module):
                 graphs.drop("a piece's parameters or buffers moved")
             call.stable, call.ptrs = stable, ptrs
         dynamic = tuple(a for j, a in enumerate(args) if j not in self.stable_set)
-        return graphs(dynamic, {}, call.run_compiled)
+        return self.restore(graphs(dynamic, {}, call.run_compiled))
 
