@@ -9,7 +9,10 @@ other on the same model, each applied, streamed and restored):
            blocks, DPT head, camera trunk), float32 weights under bf16 autocast, one 378x518
            frame a step: 20 frames to fill the caches, then 24 timed frames
   gpt2     transformers GPT-2 (small config, random weights) through ``generate()``: a 128-token
-           prompt, 32 new tokens greedily, 4 timed calls; ms per new token, bf16
+           prompt, 32 new tokens greedily, 4 timed calls, bf16. That is decode through a growing
+           cache (generate's DynamicCache: each new token attends over the cache so far); the ms
+           per new token are a whole call's over its 32 tokens, so they include one 128-token
+           prefill, and the peak is the call's (prefill included)
   timm_vit, hf_bert   the zoo's small models (benchmarks/gpu_zoo.py), batch 8, bf16
 
 Variants of surgery (the names-only plan, ``apply_manifest`` defaults):
@@ -27,8 +30,16 @@ how far it got (``progress`` in its result).
 Peaks are ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the timed
 steps, after compile and capture, plus the peak over compile and warm-up; weights included.
 
-    python benchmarks/gpu_memory.py --all --models sdpa              # H200: about 4 min
-    python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert --whole-timeout 0
+Streams (``--streams default,user``: each model once per stream, each a fresh process). ``user``
+runs every arm of the process, eager included, under ``torch.cuda.stream(torch.cuda.Stream())``:
+surgery then captures on that stream and its graphs share eager's cuBLAS workspace, where on the
+default stream they are captured on a side stream whose workspace (33 MiB on an H200) is theirs
+alone (surgery.runtime.graphs.capture). Each arm's overhead is over eager's peak on the same
+stream; "vs before issue 20" compares with the nothing-shared variant on the default stream.
+
+    python benchmarks/gpu_memory.py --all --models sdpa --variants outputs   # H200: about 3 min
+    python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert --whole-timeout 0 \
+        --streams default,user --variants before,outputs
     python benchmarks/gpu_memory.py --all --models gpt2 --variants before,outputs
     python benchmarks/gpu_memory.py --model sdpa --variants all      # one model, this process
     python benchmarks/gpu_memory.py --all --tiny                     # CPU smoke run (peaks 0)
@@ -37,6 +48,7 @@ steps, after compile and capture, plus the peak over compile and warm-up; weight
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +62,7 @@ sys.path.insert(0, HERE)
 from _arms import child_result, fresh_cache_env, latency, print_arm_result  # noqa: E402
 
 MODELS = ("sdpa", "gpt2", "timm_vit", "hf_bert")
+STREAMS = ("default", "user")
 VARIANTS = {"before": (False, False), "outputs": (True, False), "all": (True, True)}
 TINY = os.environ.get("GPU_MEMORY_SIZE") == "tiny"
 WARM, TIMED = (2, 3) if TINY else (20, 24)
@@ -175,8 +188,22 @@ def _speed(times: list[float]) -> dict[str, float]:
     return latency(times)
 
 
-def run_model(name: str, variants: list[str]) -> dict[str, Any]:
-    """Eager, then each surgery variant, in this process, on the same model."""
+def on_stream(stream: str) -> contextlib.AbstractContextManager[Any]:
+    """Where every arm of this process runs: the default stream, or a stream of its own."""
+    import torch
+
+    if stream == "user" and torch.cuda.is_available():
+        return torch.cuda.stream(torch.cuda.Stream())
+    return contextlib.nullcontext()
+
+
+def run_model(name: str, variants: list[str], stream: str = "default") -> dict[str, Any]:
+    """Eager, then each surgery variant, in this process, on the same model and stream."""
+    with on_stream(stream):
+        return {**_run_model(name, variants), "stream": stream}
+
+
+def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
     import torch
 
     from surgery import apply_manifest
@@ -217,6 +244,7 @@ def run_model(name: str, variants: list[str]) -> dict[str, Any]:
                "static_inputs_gib": round(mem.static_inputs / GIB, 4),
                "pool_gib": round(mem.pool / GIB, 4),
                "capture_stream_gib": round(mem.capture_stream / GIB, 4),
+               "captures_side_caller": [mem.side_captures, mem.caller_captures],
                "memory_line": mem.line(),
                "output_sets": sum(p.output_sets for p in mem.paths),
                "largest_paths": [[p.path, round((p.outputs + p.static_inputs) / 2**20, 1)]
@@ -234,7 +262,13 @@ def _progress(what: str, t0: float) -> None:
     print(json.dumps({"progress": f"{what} at {time.perf_counter() - t0:.1f} s"}), flush=True)
 
 
-def run_whole(name: str) -> dict[str, Any]:
+def run_whole(name: str, stream: str = "default") -> dict[str, Any]:
+    """The whole-model arm on the given stream (_run_whole)."""
+    with on_stream(stream):
+        return {**_run_whole(name), "stream": stream}
+
+
+def _run_whole(name: str) -> dict[str, Any]:
     """torch.compile of the whole model (for GPT-2: of its forward, which generate() calls).
 
     The SDPA example's KV caches are Python lists (4 frames in the global blocks, 16 in the
@@ -243,8 +277,9 @@ def run_whole(name: str) -> dict[str, Any]:
     and past torch's recompile limit of 8 a frame runs eager). So this arm fills the caches
     with eager frames first and compiles the steady state once, at fixed lengths: its peak and
     speed are those of the steady stream, as the other arms' are; its cold start is one
-    compile, not the growing frames'. Its frame counter is made a symbolic int (below). GPT-2's
-    sequence grows every token: dynamic shapes."""
+    compile, not the growing frames'. Its frame counter is made a symbolic int (below), from the
+    first compile where torch has ``dynamic_sources``. GPT-2's sequence grows every token:
+    dynamic shapes."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -265,6 +300,12 @@ def run_whole(name: str) -> dict[str, Any]:
     # torch's own hint for that is this flag (the counter becomes a symbolic int).
     if hasattr(torch._dynamo.config, "allow_unspec_int_on_nn_module"):
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # Without this the first compile specializes on the counter's value and the next frame
+    # compiles the whole model again (about a minute at LingBot size); a toy module with the
+    # same counter compiles 1 graph with it, 2 without (torch 2.14, aot_eager). The exact source
+    # name, and a pattern for a torch that names it otherwise (2.14 takes either).
+    if name == "sdpa" and hasattr(torch.compiler.config, "dynamic_sources"):
+        torch.compiler.config.dynamic_sources = "L['self'].frames_seen,.*frames_seen"
     if name == "gpt2":
         w.model.forward = torch.compile(w.model.forward, dynamic=True, backend=backend)
         call: Any = w.model
@@ -284,21 +325,27 @@ def run_whole(name: str) -> dict[str, Any]:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
-def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout: int
-            ) -> list[dict[str, Any]]:
+def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout: int,
+            streams: tuple[str, ...] = ("default",)) -> list[dict[str, Any]]:
+    """Each model on each stream: its eager and surgery arms in one fresh process, then the
+    whole-model arm in another."""
     results = []
     for name in models:
-        env = fresh_cache_env(f"gpu_memory_{name}")
-        res = child_result([__file__, "--model", name, "--variants", ",".join(variants)],
-                           env=env, timeout=timeout, ident={"model": name})
-        arms = res.pop("arms", [])
-        if whole_timeout > 0:
-            whole = child_result([__file__, "--model", name, "--whole"],
-                                 env=fresh_cache_env(f"gpu_memory_whole_{name}"),
-                                 timeout=whole_timeout, ident={"model": name, "arm": "whole"})
-            arms.insert(1, whole)
-        res["arms"] = arms
-        results.append(res)
+        for stream in streams:
+            tag = f"{name}_{stream}"
+            ident = {"model": name, "stream": stream}
+            res = child_result([__file__, "--model", name, "--variants", ",".join(variants),
+                                "--stream", stream], env=fresh_cache_env(f"gpu_memory_{tag}"),
+                               timeout=timeout, ident=ident)
+            arms = res.pop("arms", [])
+            if whole_timeout > 0:
+                whole = child_result([__file__, "--model", name, "--whole", "--stream", stream],
+                                     env=fresh_cache_env(f"gpu_memory_whole_{tag}"),
+                                     timeout=whole_timeout, ident={**ident, "arm": "whole"})
+                arms.insert(1, whole)
+            res["arms"] = arms
+            res.setdefault("stream", stream)
+            results.append(res)
     return results
 
 
@@ -309,47 +356,69 @@ def _overhead_mib(arm: dict[str, Any], eager: dict[str, Any]) -> float | None:
     return float(arm["peak_mib"] - eager["peak_mib"])
 
 
-def _vs_before(arm: dict[str, Any], before: dict[str, Any], eager: dict[str, Any]) -> str:
-    """A surgery variant's overhead over eager's peak against the nothing-shared variant's
-    (the code before issue 20): the issue's "less than half of today's" reads off it."""
-    mine, then = _overhead_mib(arm, eager), _overhead_mib(before, eager)
-    if mine is None or then is None or not arm["arm"].startswith("surgery:") or arm is before:
+def _vs_before(mine: float | None, arm: dict[str, Any], then: float | None) -> str:
+    """A surgery variant's overhead over eager's peak against the nothing-shared variant's on
+    the default stream (the code before issue 20): "less than half of today's" reads off it."""
+    if mine is None or then is None or not arm["arm"].startswith("surgery:"):
         return ""
     if then <= 0:
         return f"before was {then:+.0f} MiB (under eager's peak)"
     return f"{mine / then:.2f}x ({mine:+.0f} vs {then:+.0f} MiB)"
 
 
+def _arm(results: list[dict[str, Any]], model: str, stream: str, arm: str) -> dict[str, Any]:
+    r = next((r for r in results if r.get("model") == model and r.get("stream") == stream), {})
+    return next((a for a in r.get("arms", []) if a.get("arm") == arm), {})
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| model | arm | ms (median) | p90 | vs eager | peak GiB (steady) | over eager's peak "
-            "| overhead vs before issue 20 | reserved GiB | region graphs hold (MiB): outputs / "
-            "static inputs / pool / capture stream | cold s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | stream | arm | ms (median) | p90 | vs eager | peak GiB (steady) "
+            "| over eager's peak | overhead vs before issue 20 | reserved GiB | region graphs hold "
+            "(MiB): outputs / static inputs / pool / capture stream | captures side / caller "
+            "| cold s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        name, stream = r["model"], r.get("stream", "default")
         if "error" in r:
-            rows.append(f"| {r['model']} | failed: {r['error'][:160]} ||||||||||")
+            rows.append(f"| {name} | {stream} | failed: {r['error'][:160]} |||||||||||")
             continue
-        eager = next((a for a in r["arms"] if a.get("arm") == "eager"), {})
-        before = next((a for a in r["arms"] if a.get("arm") == "surgery:before"), {})
+        eager = _arm(results, name, stream, "eager")
+        # Before issue 20: nothing shared, on the default stream (else on this stream).
+        was = "default" if _arm(results, name, "default", "surgery:before") else stream
+        before = _arm(results, name, was, "surgery:before")
+        then = _overhead_mib(before, _arm(results, name, was, "eager"))
         for a in r["arms"]:
             if "error" in a:
                 why = a["error"][:120] + (f" ({a['progress']})" if a.get("progress") else "")
-                rows.append(f"| {r['model']} | {a.get('arm')} | failed: {why} |||||||||")
+                rows.append(f"| {name} | {stream} | {a.get('arm')} | failed: {why} ||||||||||")
                 continue
             speed = (f"{eager['median_ms'] / a['median_ms']:.2f}x" if eager.get("median_ms")
                      else "")
             over = _overhead_mib(a, eager)
             peak = (f"{over:+.0f} MiB ({a['peak_mib'] / eager['peak_mib'] - 1:+.1%})"
                     if over is not None and a is not eager else "")
+            vs = "" if a is before else _vs_before(over, a, then)
             mib = GIB / 2**20
             held = (f"{a['graphs_gib'] * mib:.1f}: {a['outputs_gib'] * mib:.1f} / "
                     f"{a['static_inputs_gib'] * mib:.1f} / {a['pool_gib'] * mib:.1f} / "
                     f"{a.get('capture_stream_gib', 0.0) * mib:.1f}"
                     if "graphs_gib" in a else "")
-            rows.append(f"| {r['model']} | {a['arm']} | {a['median_ms']:.2f} | {a['p90_ms']:.2f} "
-                        f"| {speed} | {a['peak_gib']:.3f} | {peak} | {_vs_before(a, before, eager)}"
-                        f" | {a['reserved_gib']:.3f} | {held} | {a.get('cold_s', '')} |")
+            caps = " / ".join(map(str, a.get("captures_side_caller", [])))
+            if a.get("captures_side_caller") == [0, 0]:  # an empty result is not a figure
+                caps = "**none captured**" + (" (no CUDA)" if r.get("gpu") == "cpu" else "")
+            rows.append(f"| {name} | {stream} | {a['arm']} | {a['median_ms']:.2f} "
+                        f"| {a['p90_ms']:.2f} | {speed} | {a['peak_gib']:.3f} | {peak} | {vs} "
+                        f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')} |")
     return "\n".join(rows)
+
+
+def _names(text: str, allowed: tuple[str, ...], what: str, ap: argparse.ArgumentParser
+           ) -> list[str]:
+    names = [v for v in text.split(",") if v]
+    bad = sorted(set(names) - set(allowed))
+    if bad or not names:
+        ap.error(f"unknown {what}(s) {bad or text!r}; choose from {', '.join(allowed)}")
+    return names
 
 
 def main() -> None:
@@ -359,6 +428,11 @@ def main() -> None:
     ap.add_argument("--models", help="comma-separated subset for --all")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"surgery variants, comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--stream", choices=STREAMS, default="default",
+                    help="with --model: run every arm on the default stream or on a stream of "
+                         "its own")
+    ap.add_argument("--streams", default="default",
+                    help="for --all: comma-separated streams (default,user), each model on each")
     ap.add_argument("--whole", action="store_true", help="with --model: the whole-model arm")
     ap.add_argument("--whole-timeout", type=int, default=150,
                     help="seconds for each whole-model arm (0: skip it)")
@@ -369,26 +443,25 @@ def main() -> None:
     if args.tiny and not TINY:  # the size is read at import: re-run with it set
         os.environ["GPU_MEMORY_SIZE"] = "tiny"
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    variants = [v for v in args.variants.split(",") if v]
-    bad = sorted(set(variants) - set(VARIANTS))
-    if bad:
-        ap.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    variants = _names(args.variants, tuple(VARIANTS), "variant", ap)
+    streams = tuple(_names(args.streams, STREAMS, "stream", ap))
     if args.model and not args.all:
-        ident = {"model": args.model}
+        ident = {"model": args.model, "stream": args.stream}
         if args.whole:
-            print_arm_result(lambda: run_whole(args.model), {**ident, "arm": "whole"})
+            print_arm_result(lambda: run_whole(args.model, args.stream), {**ident, "arm": "whole"})
         else:
-            print_arm_result(lambda: run_model(args.model, variants), ident)
+            print_arm_result(lambda: run_model(args.model, variants, args.stream), ident)
         return
     if not args.all:
         ap.error("give --all, or --model")
-    models = args.models.split(",") if args.models else list(MODELS)
-    results = run_all(models, variants, args.timeout, args.whole_timeout)
+    models = _names(args.models, MODELS, "model", ap) if args.models else list(MODELS)
+    results = run_all(models, variants, args.timeout, args.whole_timeout, streams)
     print(table(results))
     for r in results:
         for a in r.get("arms", []):
             if "memory_line" in a:
-                print(f"{r['model']} {a['arm']}: {a['memory_line']}")
+                print(f"{r['model']} ({r.get('stream', 'default')} stream) {a['arm']}: "
+                      f"{a['memory_line']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,6 +8,7 @@ cuBLAS workspace, which stays. The `cuda` tests check the same on a GPU with rea
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,7 +72,10 @@ class FakeCuda:
             finally:
                 fake.current = before
 
+        self.capturing = False
         for name, value in {"graph_pool_handle": lambda: (0, 1), "CUDAGraph": Graph,
+                            "device": lambda device: contextlib.nullcontext(),
+                            "is_current_stream_capturing": lambda: fake.capturing,
                             "Stream": new_stream, "stream": on,
                             "default_stream": lambda device=0: fake.default,
                             "current_stream": lambda device=0: fake.current,
@@ -316,3 +320,41 @@ def test_a_new_pool_starts_the_stream_accounting_afresh(monkeypatch: pytest.Monk
     graph = cap.capture(cuda.matmul)
     assert graph.stream is None  # type: ignore[attr-defined]
     assert (cap.stream_bytes, cap.side_bytes, cap.side_captures) == (WORKSPACE, WORKSPACE, 1)
+
+
+def test_no_capture_inside_the_callers_own_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model run inside the user's own torch.cuda.graph: surgery begins no capture of its own
+    and runs nothing (RegionGraphs then runs the path compiled, the reason in its notes)."""
+    from surgery.runtime.graphs.capture import CAPTURING_ALREADY
+
+    cuda = FakeCuda(monkeypatch)
+    cuda.current = FakeStream(7, cuda.log)
+    cuda.capturing = True
+    cap = capturer(cuda)
+    ran: list[int] = []
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph of its own"):
+        cap.capture(lambda: ran.append(1))
+    assert ran == [] and cuda.log == [] and cuda.made == 0 and cap.live == 0
+    assert "another capture" in CAPTURING_ALREADY
+
+
+@pytest.mark.cuda
+def test_cuda_a_region_inside_the_users_own_capture_runs_compiled_in_it() -> None:
+    cap = CudaCapturer(torch.cuda.current_device())
+    mods, graphs, calls = _chain(cap)
+    x = torch.randn(1, WIDTH, device="cuda")
+    with torch.no_grad():
+        _run(mods, graphs, calls, x)  # the first call: compiled, nothing captured yet
+        user = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(user):  # the second call would capture: inside the user's graph
+            out = x
+            for g, c in zip(graphs, calls, strict=True):
+                out = g((out,), {}, c)
+        user.replay()
+        torch.cuda.synchronize()
+        want = x
+        for m in mods:
+            want = m(want)
+    torch.testing.assert_close(out, want)
+    assert all("capturing a CUDA graph of its own" in g.disabled for g in graphs), graphs[0].notes
+    assert cap.live == 0

@@ -81,6 +81,11 @@ class Capturer(Protocol):
     def capture(self, work: Callable[[], None]) -> Graph: ...
 
 
+# Why a capture is refused inside the caller's own capture: a second capture cannot begin on a
+# capturing stream, and a side stream that waited on it would join the caller's graph.
+CAPTURING_ALREADY = ("the caller's stream is capturing a CUDA graph of its own; a region graph "
+                     "is not captured inside another capture")
+
 # The current stream's raw handle, cheap enough for every replay (inductor's generated code reads
 # it the same way); torch.cuda.current_stream builds a Stream object per call.
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -139,6 +144,9 @@ class CudaCapturer:
             self.stream_bytes = self.side_bytes = self.side_captures = self.caller_captures = 0
             if self.arena is not None:
                 self.arena.pool_bytes = 0
+        with torch.cuda.device(self.device):
+            if torch.cuda.is_current_stream_capturing():  # the caller's own capture is open
+                raise RuntimeError(CAPTURING_ALREADY)
         current = self.current_stream()
         on_caller = current.cuda_stream != torch.cuda.default_stream(self.device).cuda_stream
         if on_caller:
