@@ -408,7 +408,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 caps = "**none captured**" + (" (no CUDA)" if r.get("gpu") == "cpu" else "")
             rows.append(f"| {name} | {stream} | {a['arm']} | {a['median_ms']:.2f} "
                         f"| {a['p90_ms']:.2f} | {speed} | {a['peak_gib']:.3f} | {peak} | {vs} "
-                        f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')} |")
+                        f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')}"
+                        + (f" ({a['graphs']} graph(s))" if "graphs" in a else "") + " |")
     return "\n".join(rows)
 
 

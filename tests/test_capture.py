@@ -358,3 +358,46 @@ def test_cuda_a_region_inside_the_users_own_capture_runs_compiled_in_it() -> Non
     torch.testing.assert_close(out, want)
     assert all("capturing a CUDA graph of its own" in g.disabled for g in graphs), graphs[0].notes
     assert cap.live == 0
+
+
+@pytest.mark.cuda
+def test_cuda_gpt2_generate_on_a_user_stream_shares_eagers_workspace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers GPT-2 through generate() (a growing DynamicCache), names plan (its MLPs
+    capture and replay): on a user stream every capture is there and keeps no workspace, tokens
+    equal eager's; then generate() on the default stream replays the same graphs, ordered."""
+    pytest.importorskip("transformers")
+    from surgery.planning.plan import plan_module
+    from tests.zoo_models import gpt2
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 tokens
+    monkeypatch.setattr(apply_mod, "_CAPTURERS", {})
+    torch.manual_seed(0)
+    model = gpt2().eval().cuda()
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def generate(m: Any) -> torch.Tensor:
+        return m.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                          pad_token_id=0)
+
+    manifest = plan_module(model, source="gpt2",
+                           compile={"backend": "aot_eager", "capture": "region"}).manifest
+    stream = torch.cuda.Stream()
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        want = generate(model)
+        handle = apply_manifest(model, manifest, warmup=generate, passes=2)
+        try:
+            got = [generate(model) for _ in range(2)]
+            mem = handle.report.memory
+            assert all(r.graphs_captured > 0 and r.cuda_graph_replays > 0
+                       for r in handle.report), handle.report.summary()
+            assert mem.caller_captures > 0 and mem.side_captures == 0, mem
+            assert mem.capture_stream < 2**20, mem.line()
+            with torch.cuda.stream(torch.cuda.default_stream()):
+                got.append(generate(model))
+            cap = apply_mod._CAPTURERS[torch.cuda.current_device()]
+            assert cap.cross_stream_replays > 0  # type: ignore[attr-defined]
+        finally:
+            handle.restore()
+    for tokens in got:
+        assert torch.equal(tokens, want), (tokens.tolist(), want.tolist())

@@ -340,7 +340,7 @@ _CAPTURERS: dict[int, Capturer] = {}
 
 
 def _capturer_for(module: nn.Module) -> Capturer:
-    """One capturer (side stream and shared memory pool) per CUDA device, for every handle."""
+    """One capturer (its memory pool, and a side stream if needed) per CUDA device, for all."""
     dev = next((t.device for t in (*module.parameters(), *module.buffers())), None)
     index = dev.index if dev is not None and dev.type == "cuda" and dev.index is not None \
         else torch.cuda.current_device()
