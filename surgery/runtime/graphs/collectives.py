@@ -7,7 +7,7 @@ Why, from what was measured (tests/test_distributed.py, 2 gloo ranks, torch 2.13
 
 - A capture call runs the region more than once. Surgery captures on a signature's second call:
   that call runs the compiled code, then the capturer runs it once more outside the capture to
-  warm the side stream, then records it. With a tensor-parallel MLP the capturing rank issued 2
+  warm the capture stream, then records it. With a tensor-parallel MLP the capturing rank issued 2
   all-reduces on that call against 1 on an ordinary call (the stand-in capturer of the tests runs
   the work twice, as CudaCapturer does). Ranks stay in step only if every rank captures on the
   very same call, which nothing guarantees: a rank whose signature differs (a ragged last batch),
