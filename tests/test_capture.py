@@ -197,6 +197,7 @@ def _chain(cap: CudaCapturer) -> tuple[list[nn.Linear], list[RegionGraphs], list
     calls = [Calls(m) for m in mods]
     graphs = [RegionGraphs(m, cap, c.raw, clone_outputs=False, warn=print, label=str(i))
               for i, (m, c) in enumerate(zip(mods, calls, strict=True))]
+    torch.cuda.synchronize()  # made on the default stream; the tests use them on others
     return mods, graphs, calls
 
 
@@ -293,6 +294,7 @@ def test_cuda_apply_manifest_on_a_user_stream_captures_there(
     frames = [model.example_input(seed=i) for i in range(8)]
     manifest = plan_model("surgery.examples:tiny", compile=compile_defaults(capture="region"))
     monkeypatch.setattr(apply_mod, "_CAPTURERS", {})  # a capturer of its own: its counts
+    torch.cuda.synchronize()  # weights and frames copied on the default stream
     stream = torch.cuda.Stream()
     with torch.no_grad(), torch.cuda.stream(stream):
         ref = _frames(model, frames)
@@ -382,6 +384,7 @@ def test_cuda_gpt2_generate_on_a_user_stream_shares_eagers_workspace(
 
     manifest = plan_module(model, source="gpt2",
                            compile={"backend": "aot_eager", "capture": "region"}).manifest
+    torch.cuda.synchronize()  # weights and prompt copied on the default stream
     stream = torch.cuda.Stream()
     with torch.inference_mode(), torch.cuda.stream(stream):
         want = generate(model)

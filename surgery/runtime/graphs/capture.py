@@ -19,6 +19,10 @@ it was captured on. So:
   stream's workspace (33 MiB on an H200) and cache are surgery's cost, in ``stream_bytes`` and
   the report, whose line says how to avoid it.
 
+Either way the work queued before, the warm-up run, the capture, and what runs after it (the
+WriteProbe's byte comparison, the next region) keep one order: on the caller's stream by being
+on it, with the side stream by its two waits.
+
 Whether the default-stream case could share eager's workspace too: not without unsafe tricks.
 torch picks the workspace inside ``getCurrentCUDABlasHandle`` from its map for the current
 stream and sets it on the handle at every call (CublasHandlePool.cpp, ``setWorkspaceForHandle``);
