@@ -309,19 +309,29 @@ def test_cuda_apply_manifest_on_a_user_stream_captures_there(
         torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
 
 
-def test_a_new_pool_starts_the_stream_accounting_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Destroying the last graph clears its capture streams' workspaces (CUDAGraph::reset), so a
-    later capture that makes the side stream's workspace again is not counted twice."""
+@pytest.mark.parametrize("torch_frees_it", [pytest.param(True, id="freed-with-the-pool"),
+                                             pytest.param(False, id="kept-by-torch")])
+def test_the_side_streams_workspace_is_counted_once_across_pools(
+        monkeypatch: pytest.MonkeyPatch, torch_frees_it: bool) -> None:
+    """When the last graph of a pool goes, recent torch frees its capture stream's workspace
+    (CUDAGraph::reset) and the next pool's warm-up makes it again; an older torch keeps it. Either
+    way the next pool's report holds it once, and a pool on the caller's stream holds none."""
     cuda = FakeCuda(monkeypatch)
     cap = capturer(cuda)
     graph = cap.capture(cuda.matmul)
     assert cap.stream_bytes == WORKSPACE
-    del graph  # the last graph of its pool: torch frees the side stream's workspace
-    cuda.workspaces.discard(101)
-    cuda.allocated -= WORKSPACE
-    graph = cap.capture(cuda.matmul)
-    assert graph.stream is None  # type: ignore[attr-defined]
-    assert (cap.stream_bytes, cap.side_bytes, cap.side_captures) == (WORKSPACE, WORKSPACE, 1)
+    del graph  # the last graph of its pool
+    if torch_frees_it:
+        cuda.workspaces.discard(101)
+        cuda.allocated -= WORKSPACE
+    graphs = [cap.capture(cuda.matmul) for _ in range(2)]
+    assert (cap.stream_bytes, cap.side_bytes, cap.side_captures) == (WORKSPACE, WORKSPACE, 2)
+    assert graphs[0].stream is None  # type: ignore[attr-defined]
+    graphs.clear()
+    cuda.current = FakeStream(7, cuda.log)  # the user follows the hint
+    cuda.matmul()
+    graphs = [cap.capture(cuda.matmul)]
+    assert (cap.stream_bytes, cap.side_bytes, cap.caller_captures) == (0, 0, 1)
 
 
 def test_no_capture_inside_the_callers_own_capture(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,6 +130,7 @@ class CudaCapturer:
         self.caller_captures = 0  # captures on the caller's own stream
         self.cross_stream_replays = 0  # replays on another stream than their capture's
         self.parked: list[torch.cuda.CUDAGraph] = []  # dropped while others live (see above)
+        self._side_before = 0  # the side stream's bytes in the last pool (side_kept)
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
 
@@ -143,9 +144,10 @@ class CudaCapturer:
         return torch.cuda.current_stream(self.device)
 
     def capture(self, work: Callable[[], None]) -> Graph:
-        if self.live == 0:  # a new pool; the last graph took its streams' workspaces with it
+        if self.live == 0:  # a new pool: its accounting starts afresh (side_kept says why)
             self._pool = torch.cuda.graph_pool_handle()
-            self.stream_bytes = self.side_bytes = self.side_captures = self.caller_captures = 0
+            self._side_before, self.side_bytes = self.side_bytes, 0
+            self.stream_bytes = self.side_captures = self.caller_captures = 0
             if self.arena is not None:
                 self.arena.pool_bytes = 0
         with torch.cuda.device(self.device):
@@ -174,13 +176,14 @@ class CudaCapturer:
                     graph.capture_end()
                 raise
             graph.capture_end()
-        self.stream_bytes += kept
         if on_caller:
             self.caller_captures += 1
         else:
             current.wait_stream(stream)
+            kept = self.side_kept(kept)
             self.side_captures += 1
             self.side_bytes += kept
+        self.stream_bytes += kept
         # The pool's growth, and the stream's cache for the warm-up run before it.
         self.last_growth = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         if self.arena is not None:
@@ -188,6 +191,18 @@ class CudaCapturer:
             self.arena.pool_reader = self.pool_reserved
             self.arena.stream_bytes = self.stream_bytes
         return PooledGraph(graph, self, stream if on_caller else None)
+
+    def side_kept(self, kept: int) -> int:
+        """What a side-stream capture's warm-up keeps, for the accounting.
+
+        When the last graph of a pool goes, recent torch frees its capture stream's
+        workspace (``CUDAGraph::reset``, pytorch#175276), and the next pool's first warm-up
+        there makes it again: counted then. A torch that does not free it leaves it allocated,
+        and that warm-up makes nothing: the previous pool's bytes are still the side stream's,
+        so they are carried over, once."""
+        if self.side_captures == 0 and kept == 0:
+            kept, self._side_before = self._side_before, 0
+        return kept
 
     def pool_reserved(self) -> int | None:
         """Bytes the current capture pool holds (the allocator's snapshot), or None."""
