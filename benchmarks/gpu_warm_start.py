@@ -16,6 +16,10 @@ TRITON_CACHE_DIR, under `torch.inference_mode()`:
          manifest (format 3: Mega-Cache + precompiled artifacts; its time is not a start)
   warm   apply_manifest(cache=True) with that bundle, then the same measurements
 
+  warm-base  (``--baseline``) the same as warm without the two cuts of surgery.runtime.
+         warm_loader (the keys hashed in a thread, kernels loaded without inductor's compile
+         pool): an A/B of them in one call
+
 "First replayed frame" is the first frame in which every region path that captured a CUDA graph
 replayed one (on the CPU, where nothing is captured: the first frame that compiled nothing). The
 figure is the wall time from the call of apply_manifest to the end of that frame, synchronised.
@@ -27,12 +31,19 @@ GPU memory, the graphs dynamo traced, and whether the warm process's reference o
 bit-identical to the cold one's (the same kernels). The precompiled load is broken down
 (surgery.runtime.load_timing): the loader's one-time set-up (imports, the CPU's ISA probe), then
 per artifact its seconds with torch's own phases (inductor module load, Triton compile or bundle
-read, C++ builds), counters and imports; ``--profile`` adds a cProfile of the warm apply.
+read, C++ builds), counters and imports; ``--profile`` adds a cProfile of the warm apply and
+its frames to the first replay (import machinery left out of the rows).
+
+Nothing is hidden before apply_manifest: each process also reports the seconds from its own
+start (the kernel's start time of the process: interpreter, imports) to the first replayed
+frame, and what came before apply: ``import torch``, ``import surgery.runtime.apply`` (which
+imports dynamo), building the model and filling its stream.
 
     python benchmarks/gpu_warm_start.py                       # sdpa, flux, hf_bert on CUDA
     python benchmarks/gpu_warm_start.py --models sdpa         # one model
     python benchmarks/gpu_warm_start.py --size tiny --device cpu   # CPU check (minutes)
     python benchmarks/gpu_warm_start.py --models sdpa --profile    # + where the warm apply goes
+    python benchmarks/gpu_warm_start.py --models sdpa --baseline   # + warm without warm_loader
 
 Prints a markdown table per model, then one JSON line.
 """
@@ -60,9 +71,45 @@ STARTED = time.perf_counter()
 from _arms import child_result, latency, time_call  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
+PHASES = ("cold", "warm", "warm-base")
 _MAX_FRAMES = 8  # frames to wait for the first replay before calling it a failure
 _STEADY = 20
-_PROFILE_ROWS = 40
+_PROFILE_ROWS = 60
+_PROFILE_SKIP = ("<built-in method builtins.exec>", "<built-in method builtins.__import__>",
+                 "<built-in method _imp.exec_dynamic>", "<built-in method _imp.create_dynamic>")
+
+
+def process_age() -> float:
+    """Seconds since this process started, from the kernel's record of its start (so the
+    interpreter's start-up and every import are in it); the script's own clock elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - STARTED
+
+
+def _without_warm_loader() -> None:
+    """warm-base: the keys are computed where the loader needs them, and kernels load with the
+    configured compile threads (the code before surgery.runtime.warm_loader)."""
+    import contextlib
+
+    import surgery.runtime.load_timing as load_timing
+    import surgery.runtime.precompiled as pre
+    import surgery.runtime.warm_loader as warm_loader
+
+    def no_prefetch(cls: Any, device: str) -> Any:
+        return cls([], None)
+
+    def configured_threads(device: str) -> Any:
+        return contextlib.nullcontext()
+
+    warm_loader.KeyPrefetch.start = classmethod(no_prefetch)  # type: ignore[method-assign,assignment]
+    pre.serial_kernel_loads = configured_threads  # type: ignore[assignment]
+    load_timing.serial_kernel_loads = configured_threads  # type: ignore[assignment]
 
 
 def bench_model() -> Any:
@@ -181,10 +228,13 @@ def _time_apply_parts() -> dict[str, float]:
 
 def _top(prof: cProfile.Profile, n: int = _PROFILE_ROWS) -> list[list[Any]]:
     """The warm apply's profile: the n functions with the most cumulative time, as
-    [cumulative s, own s, calls, "file:line(function)"]."""
+    [cumulative s, own s, calls, "file:line(function)"]; importlib's own frames and exec are
+    left out (every import would head the list), the modules' bodies stay."""
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if "importlib" in file or fn in _PROFILE_SKIP:
+            continue
         where = f"{os.path.relpath(file, ROOT) if file.startswith(ROOT) else file}:{line}({fn})"
         rows.append([round(cum, 3), round(own, 3), calls, where[-140:]])
     return sorted(rows, key=lambda r: -r[0])[:n]
@@ -194,25 +244,39 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
               ref_path: str, profile: bool = False) -> dict[str, Any]:
     """One fresh process: build, fill the stream, apply, frames to the first replay, steady
     frames, reference output; the cold one then saves the bundle."""
+    before: dict[str, float] = {"start_to_script": round(process_age() - (
+        time.perf_counter() - STARTED), 3)}
+    t = time.perf_counter()
     import torch
-    from torch._dynamo.utils import compilation_time_metrics as metrics
-    from torch._dynamo.utils import counters
 
+    before["import torch"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
     import surgery.runtime.precompiled as pre
     from surgery.runtime.apply import apply_manifest, mark_step
 
+    before["import surgery.runtime.apply"] = round(time.perf_counter() - t, 3)  # dynamo too
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+    from torch._dynamo.utils import counters
+
+    if phase == "warm-base":
+        _without_warm_loader()
     import_s = time.perf_counter() - STARTED
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
+    t = time.perf_counter()
     with torch.device(device):
         model = bench_model().eval()
     frame, reference = _frames_for(name, model, device)
+    sync()
+    before["build the model"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
     with torch.inference_mode():
         if name == "sdpa":
             for _ in range(model.config.window + 1):  # steady cache shapes before compiling
                 frame()
     sync()
+    before["fill the stream"] = round(time.perf_counter() - t, 3)
     load_s = [0.0]
     real_open = pre.open_bundle
 
@@ -230,29 +294,31 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         return round(sum(sum(metrics.get(k, [])) for k in keys), 3)
 
     overrides = {"on_cpu": "compile"} if not cuda else {}
-    prof = cProfile.Profile() if profile and phase == "warm" else None
+    prof = cProfile.Profile() if profile and phase != "cold" else None
+    age0 = process_age()
     t0 = time.perf_counter()
     with torch.inference_mode():
         if prof is not None:
             prof.enable()
         handle = apply_manifest(model, manifest, overrides=overrides,
-                                cache=True if phase == "warm" else None)
-        if prof is not None:
-            prof.disable()
+                                cache=True if phase != "cold" else None)
         apply_s = time.perf_counter() - t0
         records = handle.report.records
         frame_s, replayed = [], False
         for _ in range(_MAX_FRAMES):
-            before = {r.path: (r.cuda_graph_replays, r.compiles) for r in records}
+            seen = {r.path: (r.cuda_graph_replays, r.compiles) for r in records}
             t = time.perf_counter()
             mark_step()
             frame()
             sync()
             frame_s.append(round(time.perf_counter() - t, 3))
-            if _ready(records, before, cuda):
+            if _ready(records, seen, cuda):
                 replayed = True
                 break
         first_s = time.perf_counter() - t0
+        age1 = process_age()
+        if prof is not None:
+            prof.disable()
         tracing, backend = seconds("bytecode_tracing"), seconds("OutputGraph.call_user_compiler")
         capture = round(sum(r.capture_s for r in records), 3)
         if cuda:
@@ -269,12 +335,15 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     cache = handle.report.cache
     out: dict[str, Any] = {
         "model": name, "phase": phase, "first_replay_s": round(first_s, 3),
+        "process_to_replay_s": round(age1, 2), "before_apply_s": round(age0, 2),
+        "before_apply": before,
         "replayed": replayed, "frames_to_replay": len(frame_s), "frame_s": frame_s,
         "apply_s": round(apply_s, 3), "bundle_s": round(load_s[0], 3),
         "precompiled_load_s": round(loaded_s, 3),
         "apply_parts": {k: round(v, 3) for k, v in parts.items()},
         "loader_setup": {"seconds": setup.seconds, "steps": setup.steps,
-                         "imported": setup.imported} if setup else None,
+                         "imported": setup.imported, "keys": getattr(setup, "keys", {})}
+        if setup else None,
         "profile": _top(prof) if prof is not None else [],
         "tracing_s": tracing, "backend_s": backend,
         "capture_s": capture,
@@ -306,7 +375,8 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
-              keep: bool, profile: bool = False) -> list[dict[str, Any]]:
+              keep: bool, profile: bool = False, baseline: bool = False
+              ) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
@@ -323,7 +393,7 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     bundle = os.path.join(work, "model.surgery.cache")
     ref = os.path.join(work, "cold_output.pt")
     results: list[dict[str, Any]] = []
-    for phase in ("cold", "warm"):
+    for phase in PHASES if baseline else PHASES[:2]:
         cache = os.path.join(work, f"inductor-{phase}")
         penv = {**env, "TORCHINDUCTOR_CACHE_DIR": cache,
                 "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
@@ -346,12 +416,12 @@ def table(results: list[dict[str, Any]]) -> str:
             "| of which bundle checks + Mega-Cache (s) | precompiled load (s) | dynamo tracing (s) "
             "| backend (s) | graph capture (s) | rest: running the frames (s) "
             "| graphs dynamo traced | steady ms/frame | peak GiB | identical to cold "
-            "| process (s) |",
-            "|" + "---|" * 16]
+            "| process start -> first replayed frame (s) | process (s) |",
+            "|" + "---|" * 17]
     for r in results:
         if "error" in r:
             rows.append(f"| {r['model']} | {r['phase']} | failed: {r['error'][:160]} |"
-                        + " |" * 13)
+                        + " |" * 14)
             continue
         same = "" if r["phase"] == "cold" else \
             ("yes" if r.get("identical_to_cold") else f"no ({r.get('max_abs_diff', 0):.2e})")
@@ -361,7 +431,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['frames_to_replay']} | {r['apply_s']:.2f} | {r['bundle_s']:.2f} "
             f"| {r['precompiled_load_s']:.2f} | {r['tracing_s']:.2f} | {r['backend_s']:.2f} "
             f"| {r['capture_s']:.2f} | {r['rest_s']:.2f} | {r['dynamo_graphs']} "
-            f"| {r['median_ms']:.2f} | {r['peak_gib']} | {same} | {r['process_s']:.1f} |")
+            f"| {r['median_ms']:.2f} | {r['peak_gib']} | {same} "
+            f"| {r.get('process_to_replay_s', 0):.2f} | {r['process_s']:.1f} |")
     for r in results:
         if "error" in r:
             continue
@@ -385,17 +456,22 @@ def _load_lines(r: dict[str, Any]) -> list[str]:
     seconds, torch's phases (nested as torch nests them), counters and modules imported; then
     the warm apply's profile when --profile ran."""
     rows = []
+    if r.get("before_apply"):
+        rows.append(f"  before apply_manifest ({r['before_apply_s']} s since the process "
+                    f"started), s: {r['before_apply']}")
     if r.get("apply_parts"):
         rows.append(f"  apply_manifest's parts (s): {r['apply_parts']}")
     if setup := r.get("loader_setup"):
         rows.append(f"  loader set-up (once, before any artifact): {setup['seconds']} s "
-                    f"{setup['steps']}, {setup['imported']} modules imported")
+                    f"{setup['steps']}, {setup['imported']} modules imported"
+                    + (f"; keys hashed beside it: {setup['keys']}" if setup.get("keys") else ""))
     for g in r["groups"]:
         for a in g.get("artifacts", []):
             rows.append(f"  load {a['group']}[{a['signature']}]: {a['seconds']} s; phases "
                         f"{a['phases']}; counters {a['counts']}; {a['imported']} modules")
     if r.get("profile"):
-        rows.append("  warm apply_manifest profile (cumulative s, own s, calls, function):")
+        rows.append("  warm apply_manifest + frames to the first replay, profile "
+                    "(cumulative s, own s, calls, function):")
         rows += [f"    {c:8.3f} {o:8.3f} {n:6} {w}" for c, o, n, w in r["profile"]]
     return rows
 
@@ -415,7 +491,9 @@ def main() -> None:
                     help="keep the work folders (manifest, bundle, cache dirs)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the warm process's apply_manifest; print its top functions")
-    ap.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", action="store_true",
+                    help="add a warm process without surgery.runtime.warm_loader's cuts (A/B)")
+    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
     ap.add_argument("--ref", help=argparse.SUPPRESS)
@@ -432,7 +510,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
-                             timeout=args.timeout, keep=args.keep, profile=args.profile)
+                             timeout=args.timeout, keep=args.keep, profile=args.profile,
+                             baseline=args.baseline)
     print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
     print(table(results))
     print()

@@ -239,7 +239,9 @@ def test_an_artifact_that_does_not_load_back_is_not_written(site, monkeypatch) -
 
 
 def test_a_call_outside_the_artifacts_guards_compiles_with_dynamo(site) -> None:
-    """A new signature has no artifact: dynamo compiles it, as without a bundle."""
+    """A new signature has no artifact: dynamo compiles it, as without a bundle. Until then
+    the group has not even made its torch.compile-d callable (whose first call imports dynamo's
+    backend wrappers, which precompiled code does not use)."""
     _save(site)
     mod = _premod()
     model = mod.build().eval()
@@ -248,8 +250,10 @@ def test_a_call_outside_the_artifacts_guards_compiles_with_dynamo(site) -> None:
         handle = apply_manifest(model, "net.surgery.toml", warmup=mod.step, overrides=AOT,
                                 cache=True, passes=1)
         assert _frames() == 0
+        assert [g.compiled_fn for g in handle.groups] == [None]
         got = model(x)
         assert _frames() > 0 and handle.report.records[0].compiles == 1
+        assert handle.groups[0].compiled_fn is not None
         handle.restore()
         torch.testing.assert_close(got, model(x))
 

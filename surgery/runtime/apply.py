@@ -59,6 +59,7 @@ from surgery.runtime.resolve import (
 )
 from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
+from surgery.runtime.warm_loader import KeyPrefetch
 
 __all__ = [
     "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
@@ -205,6 +206,8 @@ def apply_manifest(
     past it, paths run compiled without a graph (surgery.runtime.graph_memory).
     ``report.memory`` says what they hold, per path and in total.
     """
+    use_cache, dev = cache is not None and cache is not False, _device_of(model, model)
+    keys = KeyPrefetch.start(dev.type) if use_cache else None  # beside what follows (on CUDA)
     m = resolve_manifest(manifest)
     cap = parse_size(max_graph_memory)
     binding = bind_model(model, m, strict=strict)
@@ -214,12 +217,11 @@ def apply_manifest(
     handle = ApplyHandle(model, m, report)
     report.memory_source = lambda: collect_memory(handle._slots)
     handle._overrides = dict(overrides or {})
-    dev = _device_of(model, model)
     handle._device = str(dev) if dev.type == "cuda" else dev.type
-    if cache is not None and cache is not False:
+    if use_cache:
         report.cache, handle.precompiled = load_for_apply(
             cache, manifest=m, overrides=handle._overrides, device=handle._device,
-            notes=report.notes)
+            notes=report.notes, keys=keys)
     state = _HandleState()
     groups: dict[tuple[Any, ...], _Group] = {}
     piecewise_groups: dict[Any, PiecewiseGroup] = {}
@@ -292,8 +294,7 @@ def apply_manifest(
                           f"were {CLONE_RISK}", SurgeryWarning, stacklevel=2)
         hits_before = cache_counters()
         _warm_up(handle, m, warmup, passes)
-        if report.cache is None:
-            report.cache = CacheRecord()
+        report.cache = report.cache or CacheRecord()
         report.cache.counts = {k: v - hits_before[k] for k, v in cache_counters().items()}
     except BaseException:
         handle.restore()

@@ -161,7 +161,6 @@ class _Group:
     its dynamo cache and recompile limit are its own: no other group, handle or model shares them.
     """
 
-    compiled: Callable[..., Any]
     backend: _CountingBackend
     bound: bool  # True: compiled(module, *args); False: compiled(*args)
     target: Callable[..., Any]  # the original function (what a dynamic sibling compiles)
@@ -183,15 +182,30 @@ class _Group:
     # The dims a plan saw vary, marked dynamic on every call (DimMarks, surgery.runtime.groups);
     # the group then compiles with every other dim static, and counts as dynamic for budgets.
     marks: DimMarks | None = None
+    # The torch.compile-d copy of the function, made on first use (``compiled``): None until a
+    # call goes to dynamo. What torch.compile is given as ``dynamic`` (False under marks).
+    compiled_fn: Callable[..., Any] | None = None
+    compile_dynamic: bool | None = None
+
+    @property
+    def compiled(self) -> Callable[..., Any]:
+        """The function compiled by dynamo, made on its first use. A group whose calls all run
+        precompiled code (a warm start) never makes it: torch.compile imports dynamo's backend
+        wrappers on its first call (the minifier, AOTAutograd and its partitioner, networkx),
+        about 0.8 s of a warm start on a 2-core CPU, that the precompiled code does not use."""
+        if self.compiled_fn is None:
+            self.compiled_fn = torch.compile(fresh_function(self.target), backend=self.backend,
+                                             fullgraph=self.fullgraph,
+                                             dynamic=self.compile_dynamic)
+        return self.compiled_fn
 
     @classmethod
     def create(cls, target: Callable[..., Any], *, bound: bool, backend: str,
                config_patches: dict[str, Any] | None, fullgraph: bool,
                dynamic: bool | None, marks: DimMarks | None = None) -> _Group:
         counting = _CountingBackend(backend, config_patches)
-        compiled = torch.compile(fresh_function(target), backend=counting, fullgraph=fullgraph,
-                                 dynamic=False if marks else dynamic)
-        group = cls(compiled, counting, bound, target, fullgraph, True if marks else dynamic)
+        group = cls(counting, bound, target, fullgraph, True if marks else dynamic)
+        group.compile_dynamic = False if marks else dynamic
         group.marks = marks or None
         # torch's AOT path traces whole graphs: a function with a graph break is left to the
         # Mega-Cache part when the bundle is built (surgery.runtime.precompiled).

@@ -13,7 +13,11 @@ probe that builds a test program. Charged to the first group, those look like it
 So the set-up runs first, on its own clock (``prepare_loader``): the loader's modules from the
 fixed list LOADER_MODULES (never names from a bundle), triton and its driver on CUDA (Triton
 builds its CUDA utilities with the C compiler on first use in an empty TRITON_CACHE_DIR), the
-ISA probe on the CPU.
+ISA probe on the CPU, then the wait for the one-time keys that surgery.runtime.warm_loader
+computes in a thread meanwhile. The list is what torch's loader and inductor's generated code
+import themselves (checked on torch 2.14 by loading with an empty list: the same modules but
+``compile_fx`` and its FX passes, 22 modules and 0.1 s on the 2-core CPU, which only a
+compile needs and which are therefore left out).
 Then each artifact is timed (``timed``) with the deltas of torch's own instruments:
 ``compilation_time_metrics`` (its ``dynamo_timed`` phases, e.g. ``PyCodeCache.load_by_key_path``,
 ``async_compile.wait``, ``async_compile.precompile`` (a Triton kernel compiled from source in this
@@ -33,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
+
 # The modules torch's loader imports on its first artifact (torch 2.11-2.14; a name a version
 # lacks is skipped). A fixed list: nothing a bundle says is ever imported.
 LOADER_MODULES = (
@@ -44,7 +50,6 @@ LOADER_MODULES = (
     "torch._inductor.output_code",
     "torch._inductor.graph",
     "torch._inductor.async_compile",
-    "torch._inductor.compile_fx",
 )
 CUDA_LOADER_MODULES = ("triton", "torch._inductor.runtime.triton_heuristics",
                        "torch._inductor.runtime.static_cuda_launcher")
@@ -73,17 +78,20 @@ class LoaderSetup:
     seconds: float = 0.0
     steps: dict[str, float] = field(default_factory=dict)
     imported: int = 0
+    keys: dict[str, Any] = field(default_factory=dict)  # KeyPrefetch.summary(), on CUDA
 
 
-def prepare_loader(device: str) -> LoaderSetup:
-    """Import torch's loader and run its one-time probes, timed apart from any artifact."""
+def prepare_loader(device: str, keys: KeyPrefetch | None = None) -> LoaderSetup:
+    """Import torch's loader and run its one-time probes, timed apart from any artifact; then
+    wait for the keys ``keys`` computes beside it (surgery.runtime.warm_loader)."""
     setup = LoaderSetup()
     before = len(sys.modules)
     started = time.perf_counter()
     t = started
-    for name in LOADER_MODULES + (CUDA_LOADER_MODULES if device.startswith("cuda") else ()):
-        with contextlib.suppress(ImportError):  # a module this torch does not have
-            importlib.import_module(name)
+    with serial_kernel_loads(device):  # a torch that starts its pool on import does not
+        for name in LOADER_MODULES + (CUDA_LOADER_MODULES if device.startswith("cuda") else ()):
+            with contextlib.suppress(ImportError):  # a module this torch does not have
+                importlib.import_module(name)
     setup.steps["imports"] = round(time.perf_counter() - t, 3)
     if device.startswith("cuda"):
         t = time.perf_counter()
@@ -101,6 +109,9 @@ def prepare_loader(device: str) -> LoaderSetup:
 
             pick_vec_isa()  # cached by torch; builds and runs a test program once a process
         setup.steps["cpu_isa_probe"] = round(time.perf_counter() - t, 3)
+    if keys is not None and keys.names:
+        setup.steps["keys_wait"] = keys.wait()
+        setup.keys = keys.summary()
     setup.seconds = round(time.perf_counter() - started, 3)
     setup.imported = len(sys.modules) - before
     return setup

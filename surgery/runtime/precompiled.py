@@ -66,6 +66,7 @@ from surgery.runtime.portable import (
     sources_problem,
 )
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
+from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
 
 # Backends whose compiled code torch serialises (inductor, and AOTAutograd-based ones).
 SERIALISABLE_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
@@ -231,6 +232,7 @@ class Loaded:
     """The artifacts of a bundle that verified and fits, handed out to groups as they install."""
 
     entries: Parsed
+    device: str = "cpu"  # where the model is: on CUDA, kernels load without a compile pool
     used: set[str] = field(default_factory=set)
     stale: str = ""  # why a group's inlined code is not this process's (the first one)
     loaded: int = 0
@@ -260,7 +262,7 @@ class Loaded:
             for i, (sig, (data, modes, _)) in enumerate(self.entries[identity].items()):
                 try:
                     with timed(self.timings.setdefault(identity, []), name, i), \
-                            modes_of(modes):
+                            modes_of(modes), serial_kernel_loads(self.device):
                         fn = _load_function(data, target)
                 except Exception as e:  # torch's deserialiser, or its compatibility check
                     first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -280,11 +282,12 @@ class Loaded:
 # --- apply_manifest(..., cache=...) -------------------------------------------------------------
 
 def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
-                   overrides: Mapping[str, Any], device: str, notes: list[str]
-                   ) -> tuple[CacheRecord, Loaded | None]:
+                   overrides: Mapping[str, Any], device: str, notes: list[str],
+                   keys: KeyPrefetch | None = None) -> tuple[CacheRecord, Loaded | None]:
     """Load a compile-cache bundle when it verifies and fits: its Mega-Cache part into torch's
     caches, and its precompiled part for the groups to take as they install. Otherwise warn
-    once, say why in ``notes``, and return no artifacts."""
+    once, say why in ``notes``, and return no artifacts. ``keys``: the one-time keys being
+    computed meanwhile (surgery.runtime.warm_loader), waited for before any artifact loads."""
     src = manifest.source_path
     if isinstance(cache, bool):  # True: the bundle beside the manifest file
         path = default_bundle_path(src) if src else ""
@@ -295,9 +298,9 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
     if path:
         opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
         loaded, why = opened.loaded, opened.reason
-        pre = Loaded(opened.precompiled) if opened.precompiled else None
+        pre = Loaded(opened.precompiled, device=device) if opened.precompiled else None
         if pre is not None:  # the loader's one-time cost, apart from the first group's
-            pre.setup = prepare_loader(device)
+            pre.setup = prepare_loader(device, keys)
     if not loaded:
         notes.append(f"compile-cache bundle ignored: {why}")
         warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",

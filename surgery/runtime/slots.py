@@ -339,7 +339,7 @@ def _dynamo_guard_failure(g: _Group) -> str:
     try:
         from torch._dynamo.utils import guard_failures
 
-        fn = getattr(g.compiled, "_torchdynamo_orig_callable", None)
+        fn = getattr(g.compiled_fn, "_torchdynamo_orig_callable", None)
         code = getattr(fn, "__code__", None)
         fails = guard_failures.get(code) if code is not None else None
         return fails[-1].splitlines()[0].split("#")[0].strip() if fails else ""

@@ -1,0 +1,131 @@
+"""A warm start's one-time costs (surgery.runtime.warm_loader) and what it no longer imports.
+
+The keys are hashed in a thread and waited for before the first artifact; kernels load on CUDA
+without inductor's compile pool; the manifest's backend is checked without importing every
+dynamo backend; a group whose calls all run precompiled code never makes its dynamo callable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from torch._inductor import codecache
+from torch._inductor import config as inductor_config
+from torch._inductor.runtime import triton_compat
+
+from surgery.errors import RegionError
+from surgery.formats.manifest import Manifest, Region, load_schema
+from surgery.runtime import compile_options, load_timing, precompiled, warm_loader
+from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
+
+MODES = {"grad": False, "inference": False, "autocast": []}
+
+
+def _fake_keys(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[tuple[str, str]]:
+    """Replace both key functions with recorders: [(key, thread name)] as they are called."""
+    calls: list[tuple[str, str]] = []
+
+    def fake(name: str):  # type: ignore[no-untyped-def]
+        def key() -> str:
+            time.sleep(delay)
+            calls.append((name, threading.current_thread().name))
+            return name
+        return key
+
+    monkeypatch.setattr(codecache, "torch_key", fake("torch_key"))
+    monkeypatch.setattr(triton_compat, "triton_key", fake("triton_key"))
+    monkeypatch.setattr(triton_compat, "HAS_TRITON", True)
+    return calls
+
+
+def test_keys_are_computed_in_a_thread_on_cuda_and_not_at_all_on_the_cpu(monkeypatch) -> None:
+    calls = _fake_keys(monkeypatch)
+    assert KeyPrefetch.start("cpu").names == []
+    assert calls == []  # the CPU's load needs neither key
+    pre = KeyPrefetch.start("cuda:0")
+    assert pre.names == ["torch_key", "triton_key"]
+    pre.wait()
+    assert calls == [("torch_key", "surgery-key-prefetch"),
+                     ("triton_key", "surgery-key-prefetch")]
+    assert set(pre.summary()["keys"]) == {"torch_key", "triton_key"}
+
+
+def test_a_failing_key_is_left_to_the_loader(monkeypatch) -> None:
+    def broken() -> str:
+        raise OSError("no such file")
+
+    monkeypatch.setattr(codecache, "torch_key", broken)
+    pre = KeyPrefetch.start("cuda")
+    pre.wait()  # nothing escapes the thread
+    assert "OSError" in pre.summary()["failed"]["torch_key"]
+
+
+def test_the_loader_set_up_waits_for_the_keys(monkeypatch) -> None:
+    """No artifact loads while a key is still being hashed: on a torch whose key cache is a
+    plain functools.cache, the loader would compute it a second time."""
+    monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
+    monkeypatch.setattr(load_timing, "CUDA_LOADER_MODULES", ())
+    load_timing.prepare_loader("cuda")  # triton's driver probe, once: not timed below
+    _fake_keys(monkeypatch, delay=1.0)
+    pre = KeyPrefetch.start("cuda")
+    setup = load_timing.prepare_loader("cuda", pre)
+    assert pre.thread is not None and not pre.thread.is_alive(), setup.steps
+    assert setup.steps["keys_wait"] > 0.5, setup.steps
+    assert set(setup.keys["keys"]) == {"torch_key", "triton_key"}
+
+
+def test_kernels_load_without_a_compile_pool_on_cuda_only(monkeypatch) -> None:
+    """An artifact's kernels are loaded with compile_threads 1 on CUDA (no pool is started for
+    them), and with the configured threads on the CPU, whose C++ kernels build at load."""
+    configured = inductor_config.compile_threads
+    seen: list[int | None] = []
+
+    def load(data: bytes, target: object) -> object:
+        seen.append(inductor_config.compile_threads)
+        return object()
+
+    monkeypatch.setattr(precompiled, "_load_function", load)
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    for device in ("cuda", "cpu"):
+        pre = precompiled.Loaded({"group": {"sig": (b"x", MODES, [])}}, device=device)
+        assert list(pre.take("group", test_kernels_load_without_a_compile_pool_on_cuda_only))
+    assert seen == [1, 8]
+    assert inductor_config.compile_threads == 8  # put back
+    with serial_kernel_loads("cuda"):
+        assert inductor_config.compile_threads == 1
+    monkeypatch.setattr(inductor_config, "compile_threads", configured)
+
+
+def test_manifest_backends_are_checked_without_listing_every_dynamo_backend(monkeypatch) -> None:
+    """torch's list imports every backend module; a manifest's backend is one of the schema's
+    fixed set, all registered by torch itself, so the list is asked only for other names."""
+    enum = load_schema()["$defs"]["compile"]["properties"]["backend"]["enum"]
+    assert sorted(compile_options.TORCH_BACKENDS) == sorted(enum)
+    assert set(compile_options.TORCH_BACKENDS) <= set(torch._dynamo.list_backends(()))
+    asked: list[int] = []
+    real = torch._dynamo.list_backends
+
+    def counting(*args: object, **kwargs: object) -> list[str]:
+        asked.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo, "list_backends", counting)
+    m = Manifest("v2:sha256:" + "0" * 64, [Region("block", ["a"])])
+    for backend in compile_options.TORCH_BACKENDS:
+        compile_options.plan_region(m, m.regions[0], overrides={"backend": backend},
+                                    on_cuda=False)
+    assert asked == []
+    with pytest.raises(RegionError, match=r"not a torch\.compile backend"):
+        compile_options.plan_region(m, m.regions[0], overrides={"backend": "no_such_backend"},
+                                    on_cuda=False)
+    assert asked == [1]
+
+
+def test_the_module_doc_names_what_it_changes() -> None:
+    doc = warm_loader.__doc__ or ""
+    assert "compile_threads" in doc and "torch_key" in doc
+    assert json.dumps(KeyPrefetch([], None).summary())  # a report can carry it
