@@ -57,6 +57,7 @@ from surgery.runtime.resolve import (
     resolve_manifest,
     resolve_path,
 )
+from surgery.runtime.shared_pieces import Sharing, piece_sharing
 from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
 from surgery.runtime.warm_loader import KeyPrefetch
@@ -66,8 +67,6 @@ __all__ = [
     "ManifestSource", "RegionFallbackWarning", "RegionRecord", "SurgeryWarning", "apply_manifest",
     "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
 ]
-
-# --- the handle --------------------------------------------------------------------------------
 
 class ApplyHandle:
     """A live application of a manifest. ``restore()`` (or leaving the ``with``) undoes it."""
@@ -167,8 +166,6 @@ def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-# --- apply -------------------------------------------------------------------------------------
-
 def apply_manifest(
     model: nn.Module,
     manifest: ManifestSource = None,
@@ -251,6 +248,8 @@ def apply_manifest(
     clone_risk: list[str] = []
     mha = False
     try:
+        share = piece_sharing(resolved, lambda r, mod: plan_region(  # (shared_pieces)
+            m, r, overrides=overrides, on_cuda=_on_cuda(mod, model)), piecewise_groups)
         for region, path, mod, name in resolved:
             on_cuda = _on_cuda(mod, model)
             plan = plan_region(m, region, overrides=overrides, on_cuda=on_cuda)
@@ -268,7 +267,7 @@ def apply_manifest(
                     _capturer_for(mod) if plan.capture_region else None))
             else:
                 handle._slots.append(_install(mod, name, rec, region, plan, groups, state,
-                                              handle.precompiled))
+                                              handle.precompiled, share))
             if plan.capture_region:  # the cap is per device: the latest apply sets it
                 arena = arena_of(_capturer_for(mod))
                 if id(arena) not in capped:  # this apply's demotions only (collect_memory)
@@ -304,7 +303,7 @@ def apply_manifest(
 
 def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan: CompilePlan,
              groups: dict[tuple[Any, ...], _Group], state: _HandleState,
-             precompiled: Loaded | None = None) -> _Slot:
+             precompiled: Loaded | None, share: Sharing) -> _Slot:
     own, eager, bound, target = callable_at(mod, name, path=rec.path)
     dynamic = True if region.dynamic else plan.dynamic  # plan --input saw only sizes vary
     # The dims that varied, and only those, compile dynamic (DimMarks, surgery.runtime.groups).
@@ -315,10 +314,10 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
     key = group_key(target, options, mod, region.group)
     group = groups.get(key)
     if group is None:
-        group = groups[key] = _Group.create(target, bound=bound, backend=plan.backend,
-                                            config_patches=plan.config_patches,
-                                            fullgraph=plan.fullgraph, dynamic=dynamic,
-                                            marks=marks or None)
+        group = groups[key] = _Group.create(
+            target, bound=bound, backend=plan.backend, config_patches=plan.config_patches,
+            fullgraph=plan.fullgraph, dynamic=dynamic, marks=marks or None,
+            shared=share(mod, plan, dynamic))  # pieces of a piecewise block of its class
         if precompiled is not None:
             group.precompiled = precompiled.take(group.identity, target)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,

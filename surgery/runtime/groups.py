@@ -66,11 +66,18 @@ class _CountingBackend:
         self.__name__ = f"surgery_{backend}"  # torch names the compiler after it in its logs
         self.calls_done = 0  # completed compiled calls through this backend's callable
         self.compile_s = 0.0  # time in the real backend (AOTAutograd + inductor), cache hits too
+        # surgery.runtime.shared_pieces.SharedPieces: compile from the piecewise regions' pieces
+        self.shared: Any = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         inner: Callable[..., Any] = torch._dynamo.lookup_backend(self.backend)
         started = time.perf_counter()
-        if self.config_patches is not None:
+        # split at a piecewise region's split ops, pieces from its cache (compiled when first run)
+        compiled = self.shared.compile(gm, example_inputs, _active_slot) \
+            if self.shared is not None else None
+        if compiled is not None:
+            pass
+        elif self.config_patches is not None:
             # The inductor entry point applies these with inductor's config.patch around the
             # compile, which is how mode + options reach it without torch.compile's mode/options
             # check (verified: emulate_precision_casts changes the generated code).
@@ -202,8 +209,10 @@ class _Group:
     @classmethod
     def create(cls, target: Callable[..., Any], *, bound: bool, backend: str,
                config_patches: dict[str, Any] | None, fullgraph: bool,
-               dynamic: bool | None, marks: DimMarks | None = None) -> _Group:
+               dynamic: bool | None, marks: DimMarks | None = None,
+               shared: Any = None) -> _Group:
         counting = _CountingBackend(backend, config_patches)
+        counting.shared = shared if not marks else None  # marked dims compile as usual
         group = cls(counting, bound, target, fullgraph, True if marks else dynamic)
         group.compile_dynamic = False if marks else dynamic
         group.marks = marks or None
