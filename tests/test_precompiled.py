@@ -546,6 +546,66 @@ def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
         handle.restore()
 
 
+CUDA_DEPLOY_SRC = textwrap.dedent('''
+    import json, torch, premod
+    from torch._dynamo.utils import counters
+    from torch._inductor import async_compile
+    from surgery.runtime.apply import apply_manifest
+    x = premod.X.cuda()
+    model = premod.build().cuda().eval()
+    want = model(x)
+    with torch.no_grad():
+        h = apply_manifest(model, "net.surgery.toml", cache=True)
+        got = model(x)
+        got = model(x)  # the second call replays
+    setup = h.precompiled.setup if h.precompiled is not None else None
+    print(json.dumps({
+        "precompiled": h.report.cache.precompiled, "reason": h.report.cache.reason,
+        "frames": sum(counters["frames"].values()),
+        "replays": [r.cuda_graph_replays for r in h.report.records],
+        "keys": setup.keys if setup else {}, "steps": setup.steps if setup else {},
+        "pools": len(getattr(async_compile, "_pool_set", ())),
+        "ready_future": getattr(async_compile.AsyncCompile, "_ready_future", None) is not None,
+        "close": torch.allclose(got, want, atol=2e-3, rtol=2e-3)}))
+''')
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fresh_process_loads_without_a_compile_pool_with_keys_hashed_beside(site) -> None:
+    """A fresh CUDA process (empty inductor and Triton caches) warm-starts from the bundle with
+    torch's and triton's keys hashed in surgery's thread (runtime.warm_loader), no compile pool
+    started for the artifact's kernels, nothing traced, graphs replayed, outputs as eager."""
+    if missing := precompiled.api_missing():
+        pytest.skip(missing)
+    mod = _premod()
+    x = mod.X.cuda()
+
+    def step(m):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return m(x)
+
+    model = mod.build().cuda().eval()
+    with torch.no_grad():
+        handle = apply_manifest(model, "net.surgery.toml", warmup=step, passes=3)
+    assert handle.save_cache().metadata[bundle_parts.PRECOMPILED_KEY]["entries"]
+    handle.restore()
+    (site / "deploy_cuda.py").write_text(CUDA_DEPLOY_SRC)
+    cache = site / "inductor-cuda-deploy"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), HERE]),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+    run = subprocess.run([sys.executable, "deploy_cuda.py"], cwd=site, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["precompiled"] == 1, got["reason"]
+    assert got["frames"] == 0 and all(n >= 1 for n in got["replays"]), got
+    assert "torch_key" in got["keys"].get("keys", {}), got  # hashed in the thread
+    assert "keys_wait" in got["steps"], got
+    assert got["pools"] == 0 and not got["ready_future"], got  # no compile pool started
+    assert got["close"], got
+
+
 def test_a_groups_identity_does_not_follow_reference_counts() -> None:
     """marshal marks objects referenced more than once, so its bytes (and a digest of them)
     change when anything else holds one of the code's constants; the identity must not."""

@@ -296,7 +296,8 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
     loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
     pre = None
     if path:
-        opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
+        with serial_kernel_loads(device):  # a torch whose import starts the pool does not
+            opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
         loaded, why = opened.loaded, opened.reason
         pre = Loaded(opened.precompiled, device=device) if opened.precompiled else None
         if pre is not None:  # the loader's one-time cost, apart from the first group's
