@@ -2,12 +2,17 @@
 
 The keys are hashed in a thread and waited for before the first artifact; kernels load on CUDA
 without inductor's compile pool; the manifest's backend is checked without importing every
-dynamo backend; a group whose calls all run precompiled code never makes its dynamo callable.
+dynamo backend; a group whose calls all run precompiled code never makes its dynamo callable;
+mark_step imports no cudagraph trees before any exists.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -23,6 +28,7 @@ from surgery.runtime import compile_options, load_timing, precompiled, warm_load
 from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
 
 MODES = {"grad": False, "inference": False, "autocast": []}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fake_keys(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[tuple[str, str]]:
@@ -129,3 +135,24 @@ def test_the_module_doc_names_what_it_changes() -> None:
     doc = warm_loader.__doc__ or ""
     assert "compile_threads" in doc and "torch_key" in doc
     assert json.dumps(KeyPrefetch([], None).summary())  # a report can carry it
+
+
+def test_mark_step_imports_no_cudagraph_trees_until_some_exist() -> None:
+    """A fresh interpreter: surgery's mark_step before any cudagraph tree leaves inductor's
+    cudagraph_trees unimported (0.2 s of a warm start's first frame, for a counter nothing
+    reads); once the module is imported, each call moves torch's step counter as before."""
+    code = textwrap.dedent("""
+        import sys
+        from surgery.runtime.apply import mark_step
+        mark_step()
+        print("imported" if "torch._inductor.cudagraph_trees" in sys.modules else "not imported")
+        from torch._inductor import cudagraph_trees
+        before = cudagraph_trees.MarkStepBox.mark_step_counter
+        mark_step()
+        print(before - cudagraph_trees.MarkStepBox.mark_step_counter)
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["not", "imported", "1"], run.stdout

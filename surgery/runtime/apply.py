@@ -60,7 +60,7 @@ from surgery.runtime.resolve import (
 from surgery.runtime.shared_pieces import Sharing, piece_sharing
 from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
-from surgery.runtime.warm_loader import KeyPrefetch
+from surgery.runtime.warm_loader import KeyPrefetch, mark_step
 
 __all__ = [
     "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
@@ -147,13 +147,6 @@ class ApplyHandle:
         c, state = self.report.counts(), "restored" if self.restored else "live"
         return (f"<ApplyHandle {state}: {c['compiled']} compiled, {c['pending']} pending, "
                 f"{c['eager']} eager, {c['skipped']} skipped>")
-
-
-def mark_step() -> None:
-    """Open one CUDA-graph step: call before each inference step of a CUDA-graph model.
-
-    cudagraph trees reuse a graph's memory only once told the last step's outputs are dead."""
-    torch.compiler.cudagraph_mark_step_begin()
 
 
 def _on_cuda(module: nn.Module, model: nn.Module) -> bool:
