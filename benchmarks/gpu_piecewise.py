@@ -30,8 +30,9 @@ their cold start down (``cold_breakdown``): dynamo's tracing and guards, the bac
 called (inductor for the plain regions, the split for piecewise ones), the pieces' own compiles
 after the trace, the captures, and the counts: dynamo graphs, piecewise graphs, pieces compiled
 and shared (identical pieces of other graphs and blocks), calls run eager on a new list-cache
-structure, the seconds of each dynamo frame compile, and the guard failure that triggered each
-recompile (dynamo's ``recompiles`` log, captured, not printed).
+structure or an empty tensor cache (a prefill), the seconds of each dynamo frame compile, and
+the guard failure that triggered each recompile (dynamo's ``recompiles`` log, captured, not
+printed).
 
     python benchmarks/gpu_piecewise.py --all [--out results.json]       # on the H200
     python benchmarks/gpu_piecewise.py --arm sdpa_piecewise --frames 24  # one arm, this process
@@ -222,7 +223,8 @@ def _cold_breakdown(handle: Any, out: dict[str, Any],
         "plain_compiles": sum(r.compiles for r in recs if r.kind != "piecewise"),
         "pieces_compiled": sum(r.pieces_compiled for r in recs),
         "pieces_shared": sum(r.pieces_shared for r in recs),
-        "new_structure_calls": sum(r.new_structure_calls for r in pw)}
+        "new_structure_calls": sum(r.new_structure_calls for r in pw),
+        "empty_cache_calls": sum(r.empty_cache_calls for r in pw)}
     b = out["cold_breakdown"]
     if "cold_s" in out:  # the rest: running the frames, guards, Python, first launches
         b["rest_s"] = round(out["cold_s"] - b["dynamo_trace_s"] - b["backend_s"]
@@ -428,7 +430,7 @@ def cold_table(results: list[dict[str, Any]]) -> str:
     """The cold start of each arm that has a breakdown, where it went."""
     keys = ("dynamo_trace_s", "backend_s", "piece_compile_s", "capture_s", "rest_s",
             "dynamo_graphs", "piecewise_graphs", "plain_compiles", "pieces_compiled",
-            "pieces_shared", "new_structure_calls")
+            "pieces_shared", "new_structure_calls", "empty_cache_calls")
     rows = ["| arm | cold s | vs names | " + " | ".join(keys) + " |",
             "|---" * (len(keys) + 3) + "|"]
     triggers = []

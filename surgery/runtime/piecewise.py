@@ -41,11 +41,12 @@ runs inside a captured piece (where the cache would stop growing).
 Where it cannot work, the block runs eager with the reason in its record and one
 RegionFallbackWarning (``on_failure = "error"`` raises instead): a graph break inside the block
 (it compiles ``fullgraph``), a branch on the cache length, or more recompiles than its budget.
-A cache that is a Python list of fixed tensors (the example's sliding window) changes the
-graph's structure until the window is full, and no dim can be marked for a list's length: a path
-compiles its first structure, and a further one only when two calls in a row show it (else the
-block runs eager), so a window that fills compiles once, when full (surgery.runtime.cache_sources).
-The pieces of all those graphs are compiled once each (surgery.runtime.piece_cache).
+Two rules decide when a call may compile (surgery.runtime.cache_sources has the why): a list
+cache (the example's sliding window) compiles a further structure only when two calls in a row
+show it, so a window that fills compiles once, when full; and a call whose tensor cache is empty
+(a prefill, once a stream) runs eager, its blocks too when it is a stack, so ``generate()``
+traces decode alone. The pieces of all the graphs are compiled once each
+(surgery.runtime.piece_cache).
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ from surgery.errors import RegionError
 from surgery.formats.manifest import PIECEWISE_KEYS, Region
 from surgery.runtime.budget import fresh_function, parameter_names
 from surgery.runtime.cache_sources import (
+    EMPTY_CACHE_NOTE,
     MAX_STRUCTURES,
     Source,
     cache_structure,
-    resolve_attr,
+    filled,
+    mark_grown,
+    source_roots,
+    tensor_shapes,
     tensors_in,
 )
 from surgery.runtime.compile_options import CompilePlan
@@ -82,7 +87,7 @@ from surgery.runtime.piecewise_split import (
 from surgery.runtime.piecewise_stack import fallback_of, standby_reason
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
-from surgery.runtime.slots import _make_wrapper
+from surgery.runtime.slots import _make_wrapper, first_line
 
 # Calls without a compile after which a path stops marking its cache (the graph is dynamic).
 _STABLE_CALLS = 2
@@ -95,7 +100,7 @@ DEFER_STRUCTURES = True
 # Raised by a fullgraph compile past dynamo's recompile limit (a plain Exception).
 _RECOMPILE_LIMIT = (torch._dynamo.exc.FailOnRecompileLimitHit,)
 
-_ACTIVE = threading.local()  # .slot: the piecewise path whose call is running
+_ACTIVE = threading.local()  # .slot: the path whose call runs; .resting: a stack run eager
 
 
 def _active() -> PiecewiseSlot | None:
@@ -124,35 +129,34 @@ class PiecewiseSlot:
     cache_ids: set[int] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     standby: str | None = None  # the piecewise stack this block stands by for
-    # the list-cache structure (surgery.runtime.cache_sources) of the last call, and those a
-    # compiled call ran on
+    # the last call's list-cache structure, and those a compiled call ran on (cache_sources)
     last: Any = None
     ran: set[Any] = field(default_factory=set)
+    # every source has a dim: an empty one (a prefill) may run eager (cache_sources.filled)
+    tensor_cache: bool = False
+    last_empty: bool = False
+    empty_ran: bool = False
+    rest_shapes: dict[str, tuple[int, ...]] | None = None  # the last empty call's tensor args
 
     def __post_init__(self) -> None:
         self.graphs = PathPieces(self.module, self.capturer, warn=self._warn_graphs,
                                  notes=self.record.notes, label=self.record.path)
+        self.tensor_cache = bool(self.sources) and all(s.dim is not None for s in self.sources)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.standby is not None and getattr(_ACTIVE, "resting", None) == self.standby:
+            return self.eager(*args, **kwargs)  # inside its stack's eager empty-cache call
         rec = self.record
         rec.calls += 1
         if self.mode != "compiled":
             rec.eager_calls += 1
             return self.eager(*args, **kwargs)
         try:
-            shape = self._structure(args, kwargs)
-            last, self.last = self.last, shape
-            if shape is not None and shape not in self.ran:
-                if rec.compiled_runs and DEFER_STRUCTURES and shape != last:
-                    # a further structure compiles once it holds from one call to the next
-                    rec.eager_calls += 1
-                    rec.new_structure_calls += 1
-                    return self.eager(*args, **kwargs)
-                self.marking = 0  # this call may compile: mark, and find the cache afresh
-            if self.marking < _STABLE_CALLS:
-                self._mark(args, kwargs)
+            empty, shape, rest = self._prepare(args, kwargs)
         except Exception as exc:  # a source that cannot be read or marked: the block runs eager
             return self._fail(exc, args, kwargs)
+        if rest:  # outside the try: the model's own error is not a compile failure
+            return self._rest(args, kwargs, empty)
         compiles, runs = rec.compiles, rec.compiled_runs
         prev, _ACTIVE.slot = _active(), self
         try:
@@ -171,37 +175,62 @@ class PiecewiseSlot:
         self.marking = 0 if rec.compiles > compiles else self.marking + 1
         if rec.compiled_runs > runs:
             rec.compiled_calls += 1
+            self.empty_ran = self.empty_ran or empty
             if shape is not None and len(self.ran) < MAX_STRUCTURES:
                 self.ran.add(shape)
             if rec.status != "compiled":
                 rec.status, rec.reason = "compiled", ""
         else:
             rec.eager_calls += 1
-        assert self.graphs is not None
-        rec.graphs_captured = self.graphs.captures
-        rec.cuda_graph_replays = self.graphs.replays
-        rec.pieces_compiled, rec.pieces_shared = self.graphs.compiled, self.graphs.shared
-        rec.piece_compile_s = self.graphs.compile_s
-        rec.capture_s = self.graphs.capture_s
+        g = self.graphs
+        assert g is not None
+        rec.graphs_captured, rec.cuda_graph_replays = g.captures, g.replays
+        rec.pieces_compiled, rec.pieces_shared = g.compiled, g.shared
+        rec.piece_compile_s, rec.capture_s = g.compile_s, g.capture_s
         if rec.compiles > self.budget:
             self._demote(f"recompiled {rec.compiles} times (over its budget of {self.budget}) "
                          "as the cache changed: a branch on the cache length, or a cache whose "
                          "structure keeps changing; runs eager")
         return out
 
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
+        """(empty cache, list-cache structure, run eager): mark the cache while it may compile."""
+        empty = self.tensor_cache and not any(filled(r) for r in self._roots(args, kwargs))
+        rest, self.last_empty = empty and not self.empty_ran and not self.last_empty, empty
+        if rest:
+            return empty, None, True
+        shape = self._structure(args, kwargs)
+        last, self.last = self.last, shape
+        if shape is not None and shape not in self.ran:
+            if self.record.compiled_runs and DEFER_STRUCTURES and shape != last:
+                return empty, shape, True  # a further structure: compiles once it holds twice
+            self.marking = 0  # this call may compile: mark, and find the cache afresh
+        if self.marking < _STABLE_CALLS:
+            self._mark(args, kwargs)
+        return empty, shape, False
+
+    def _rest(self, args: tuple[Any, ...], kwargs: dict[str, Any], empty: bool) -> Any:
+        """Run the original forward: on a new list structure, or an empty cache (a prefill;
+        a stack's standby blocks then run theirs too, not piecewise)."""
+        rec = self.record
+        rec.eager_calls += 1
+        if not empty:
+            rec.new_structure_calls += 1
+            return self.eager(*args, **kwargs)
+        rec.empty_cache_calls += 1
+        if "empty" not in self.warned:
+            self.warned.add("empty")
+            rec.notes.append(EMPTY_CACHE_NOTE)
+        # the next call marks the cache again, and what grew since this one (cache_sources)
+        self.rest_shapes, self.marking = tensor_shapes(self.names, args, kwargs), 0
+        prev, _ACTIVE.resting = getattr(_ACTIVE, "resting", None), rec.path
+        try:
+            return self.eager(*args, **kwargs)
+        finally:
+            _ACTIVE.resting = prev
+
     def _roots(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """What each source names in this call: an argument's value or the attribute."""
-        bound: dict[str, Any] | None = None
-        roots = []
-        for src in self.sources:
-            if src.arg is not None:
-                if bound is None:
-                    bound = dict(zip(self.names, args, strict=False))
-                    bound.update(kwargs)
-                roots.append(bound.get(src.arg))
-            else:
-                roots.append(resolve_attr(self.module, src.attrs))
-        return roots
+        return source_roots(self.sources, self.module, self.names, args, kwargs)
 
     def _structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The list lengths under the sources without a dim (list caches), or None if none."""
@@ -224,13 +253,15 @@ class PiecewiseSlot:
                 d = src.dim % t.dim()
                 if t.dim() > d and t.shape[d] >= 2:  # sizes 0 and 1 are specialized by dynamo
                     torch._dynamo.mark_dynamic(t, d)
+        if self.rest_shapes:  # after an empty-cache call: what grew with the cache since
+            mark_grown(self.rest_shapes, self.names, args, kwargs)
 
     def _fail(self, exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The block cannot be compiled piecewise: run it eager from now on, saying why."""
         if self.region.on_failure == "error":
             raise RegionError(
                 f"piecewise region path {self.record.path!r} failed ({type(exc).__name__}): "
-                f"{_first_line(exc)}", region=self.record.path,
+                f"{first_line(exc)}", region=self.record.path,
                 hint="fix the graph break or the branch on the cache length, or set "
                      "on_failure = \"eager\"") from exc
         out = self.eager(*args, **kwargs)  # the model's own error propagates from here
@@ -257,7 +288,7 @@ class PiecewiseSlot:
 
 def why_not_piecewise(exc: BaseException) -> str:
     """The reason a block cannot be compiled piecewise, from what dynamo raised."""
-    text = _first_line(exc)
+    text = first_line(exc)
     name = type(exc).__name__
     if "ConstraintViolation" in name or "Constraints violated" in text or \
             "specialized" in text.lower():
@@ -268,13 +299,6 @@ def why_not_piecewise(exc: BaseException) -> str:
         return f"recompiled past dynamo's limit as the cache changed ({text})"
     return f"failed to compile piecewise ({name}: {text})"
 
-
-def _first_line(exc: BaseException) -> str:
-    inner = getattr(exc, "inner_exception", None)
-    if isinstance(inner, BaseException) and inner is not exc:
-        return f"{type(inner).__name__}: {_first_line(inner)}"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class PiecewiseGroup:
@@ -368,11 +392,9 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
     slot = PiecewiseSlot(mod, name, name in vars(mod), own, eager, rec, region, group,
                          parameter_names(eager), sources, capturer,
                          budget=plan.max_signatures if "max_signatures" in region.compile
-                         else PIECEWISE_MAX_COMPILES)
+                         else PIECEWISE_MAX_COMPILES, standby=fallback_of(region))
     rec.signature_mode = "piecewise"
-    slot.standby = fallback_of(region)
-    if slot.standby is not None:
-        rec.reason = standby_reason(slot.standby)
+    rec.reason = standby_reason(slot.standby) if slot.standby is not None else rec.reason
     group.slots.append(slot)
     mod.__dict__[name] = _make_wrapper(slot)  # type: ignore[arg-type]
     return slot

@@ -86,6 +86,9 @@ class RegionRecord:
     # calls that ran eager because their list cache had a structure not seen before (it
     # compiles when it recurs: surgery.runtime.cache_sources)
     new_structure_calls: int = 0
+    # calls that ran eager because their tensor cache was empty (a prefill: once a stream;
+    # surgery.runtime.cache_sources)
+    empty_cache_calls: int = 0
 
     # The old names, kept for code written against them.
     @property

@@ -269,7 +269,7 @@ class _Slot:
     def _graphs_failed(self, exc: BaseException, args: tuple[Any, ...],
                        kwargs: dict[str, Any], done: tuple[Any, bool] | None) -> Any:
         """Surgery's own capture or replay failed: this path runs compiled without graphs."""
-        cause = f"{type(exc).__name__}: {_first_line(exc)}"
+        cause = f"{type(exc).__name__}: {first_line(exc)}"
         if self.region.on_failure == "error":
             raise RegionError(
                 f"region {self.region.kind!r} path {self.record.path!r}: CUDA-graph capture or "
@@ -293,7 +293,7 @@ class _Slot:
         The eager call runs first: if the original code fails too, the error is the model's own
         and propagates, and nothing is marked as a compile failure.
         """
-        cause = _first_line(exc)
+        cause = first_line(exc)
         if self.region.on_failure == "error":
             raise RegionError(
                 f"region {self.region.kind!r} path {self.record.path!r} failed to compile "
@@ -386,9 +386,10 @@ class _HandleState:
     warned_graphs: set[tuple[int, str]] = field(default_factory=set)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (what a backend failure wrapped, when it wraps one)."""
     inner = getattr(exc, "inner_exception", None)  # BackendCompilerFailed: what the backend raised
     if isinstance(inner, BaseException) and inner is not exc:
-        return f"{type(inner).__name__}: {_first_line(inner)}"
+        return f"{type(inner).__name__}: {first_line(inner)}"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
