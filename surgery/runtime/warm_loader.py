@@ -9,11 +9,14 @@ took 1.0 s and every later one 0.01-0.04 s. Read from torch 2.14's loader, on CU
   (``CompiledTritonKernels.key``), and the compile pool's start passes it to its workers
   (0.1 s on the H200, 0.7 s on a 2-core CPU).
 - triton's own key hashes ``libtriton.so`` (505 MB in triton 3.8: 1.0 s on the 2-core CPU), the
-  first time Triton looks a kernel up in its cache by key.
+  first time a kernel goes through Triton's compile path (its cache lookup, a hit included) and
+  in inductor's FX-graph cache keys. Whether torch 2.11's load takes that path for an artifact's
+  kernels (or loads them all as static launchers) is for the H200's profile to show.
 - The first Triton kernel makes inductor start its compile pool (``AsyncCompile.use_process_pool``:
   a sidecar process that imports torch and starts one worker per core), although every kernel of
-  a precompiled artifact is already built (the artifact carries them; they load serially in this
-  process while the pool warms up, and later ones hit inductor's kernel table).
+  a precompiled artifact is already built: the artifact carries them, and they are found in
+  inductor's kernel table (filled from the artifact's bundle) or loaded in this process while
+  the pool warms up, so the pool does no work for them.
 
 What is done instead.
 
