@@ -24,7 +24,7 @@ from torch._inductor.runtime import triton_compat
 
 from surgery.errors import RegionError
 from surgery.formats.manifest import Manifest, Region, load_schema
-from surgery.runtime import compile_options, load_timing, precompiled, warm_loader
+from surgery.runtime import compile_options, groups, load_timing, precompiled, warm_loader
 from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
 
 MODES = {"grad": False, "inference": False, "autocast": []}
@@ -156,3 +156,30 @@ def test_mark_step_imports_no_cudagraph_trees_until_some_exist() -> None:
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["not", "imported", "1"], run.stdout
+
+
+def test_a_group_makes_its_dynamo_callable_once_on_first_use(monkeypatch) -> None:
+    """Made on first use, not at install; two threads' first calls make one (two would be two
+    code objects, so dynamo would compile the same graph twice)."""
+    made: list[int] = []
+    real = torch.compile
+
+    def slow_compile(*args: object, **kwargs: object) -> object:
+        made.append(1)
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    monkeypatch.setattr(torch, "compile", slow_compile)
+    group = groups._Group.create(forward, bound=False, backend="eager", config_patches=None,
+                                 fullgraph=True, dynamic=False)
+    assert made == [] and group.compiled_fn is None
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(group.compiled)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [1] and got[0] is got[1] is group.compiled_fn

@@ -45,6 +45,7 @@ from surgery.runtime.precompiled import Artifact, group_identity, signature_text
 # --- counting what runs ------------------------------------------------------------------------
 
 _ACTIVE = threading.local()  # .stack: the slots whose compiled callable is running
+_MAKING = threading.Lock()  # held while a group makes its torch.compile-d callable
 
 
 def _active_slot() -> Any:
@@ -201,9 +202,11 @@ class _Group:
         wrappers on its first call (the minifier, AOTAutograd and its partitioner, networkx),
         about 0.8 s of a warm start on a 2-core CPU, that the precompiled code does not use."""
         if self.compiled_fn is None:
-            self.compiled_fn = torch.compile(fresh_function(self.target), backend=self.backend,
-                                             fullgraph=self.fullgraph,
-                                             dynamic=self.compile_dynamic)
+            with _MAKING:  # two threads' first calls make one, or dynamo would compile twice
+                if self.compiled_fn is None:
+                    self.compiled_fn = torch.compile(
+                        fresh_function(self.target), backend=self.backend,
+                        fullgraph=self.fullgraph, dynamic=self.compile_dynamic)
         return self.compiled_fn
 
     @classmethod
