@@ -109,3 +109,24 @@ def test_gpt2_stack_that_always_prefills_compiles_on_its_second_forward() -> Non
         assert stack.empty_cache_calls == 1 and stack.compiles == 1
         same_as_eager(generate(model, ids, 8), generate(ref, ids, 8))
     assert stack.status == "compiled", stack.reason
+
+
+def test_a_warm_up_of_prefills_only_says_so() -> None:
+    """Warm-up that only ever shows an empty cache proves nothing compiled: the warning says
+    why and what to warm up with, the path stays pending and compiles on its first filled call."""
+    model, ref = Stack(), Stack()
+    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
+
+    def one_frame(m: Stack) -> None:
+        with torch.no_grad():
+            m(x)
+        reset(m)
+
+    with pytest.warns(Warning, match="each with an empty cache, which runs eager"):
+        handle = apply_manifest(model, piecewise_manifest(model, PATHS, CACHE), passes=1,
+                                warmup=one_frame)
+    rec = handle.report.by_path("blocks.0")
+    assert rec.status == "pending" and rec.compiled_calls == 0 and rec.empty_cache_calls == 1
+    stream(model, ref, 3)
+    # the stream's first call is the second empty one in a row: it compiles too
+    assert rec.status == "compiled" and rec.compiles == 2 and rec.empty_cache_calls == 1

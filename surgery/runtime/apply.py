@@ -372,6 +372,10 @@ def _warm_up(handle: ApplyHandle, manifest: Manifest,
             continue  # a block of a piecewise stack: runs only if the stack runs eager
         if rec.calls == 0:
             rec.reason = "not called during warm-up"
+        elif rec.empty_cache_calls == rec.calls:  # piecewise: each call a prefill, run eager
+            rec.reason = (f"called {rec.calls} time(s) in warm-up, each with an empty cache, "
+                          "which runs eager: warm up with calls that fill it (a generate() of 2+ "
+                          "tokens, 2+ frames of a stream); it compiles on the first such call")
         else:
             rec.status = "eager"
             rec.reason = (f"called {rec.calls} time(s) in warm-up but no compiled graph ran "
