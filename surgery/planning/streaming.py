@@ -61,9 +61,10 @@ _ATTR_DEPTH = 3
 _STREAMING_SIGNS = ("streaming block", "changed its attribute", "state kept between calls")
 # Graphs one instance of a block with a per-instance index may compile (its region's
 # max_signatures): a list cache changes the graph's structure once per length until its window
-# is full (the SDPA example's camera trunk keeps 16 frames). The runtime compiles a length only
-# when it recurs (runtime/cache_sources: 2 graphs over one long stream), but streams that start
-# again can bring every length back: the bound is the window's lengths, plus room.
+# is full (the SDPA example's camera trunk keeps 16 frames). The runtime compiles a further
+# length only once two calls in a row show it (runtime/cache_sources: the first frame's and the
+# full window's graphs, however many streams), so the bound, the window's lengths plus room, is
+# what a cache whose structure does hold between calls could still reach.
 INDEXED_GRAPHS_PER_INSTANCE = 20
 # Graphs all instances of one such group may compile together (one code object; the runtime's
 # recompile limit for a piecewise group is at most 256).

@@ -83,8 +83,8 @@ class RegionRecord:
     pieces_compiled: int = 0
     pieces_shared: int = 0
     piece_compile_s: float = 0.0  # seconds it spent compiling them (after dynamo's trace)
-    # calls that ran eager because their list cache had a structure not seen before (it
-    # compiles when it recurs: surgery.runtime.cache_sources)
+    # calls that ran eager because their list cache had a structure not compiled yet (it
+    # compiles once two calls in a row show it: surgery.runtime.cache_sources)
     new_structure_calls: int = 0
     # calls that ran eager because their tensor cache was empty (a prefill: once a stream;
     # surgery.runtime.cache_sources)
