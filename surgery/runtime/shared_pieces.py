@@ -107,7 +107,7 @@ class SharedPieces:
         return PiecewiseGraph(gm, example_inputs, split_ops=self.split_ops, cache_ids=set(),
                               stable_ids=stable, pieces=pieces, state_for=self._state)
 
-    def _state(self) -> RecordPieces | None:
+    def _state(self) -> Any:  # a RecordPieces, which StaticPiece uses as a PathPieces
         slot = self.active()
         if slot is None:
             return None
