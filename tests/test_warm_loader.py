@@ -87,7 +87,6 @@ def test_the_loader_set_up_waits_for_the_keys(monkeypatch) -> None:
 def test_kernels_load_without_a_compile_pool_on_cuda_only(monkeypatch) -> None:
     """An artifact's kernels are loaded with compile_threads 1 on CUDA (no pool is started for
     them), and with the configured threads on the CPU, whose C++ kernels build at load."""
-    configured = inductor_config.compile_threads
     seen: list[int | None] = []
 
     def load(data: bytes, target: object) -> object:
@@ -95,15 +94,15 @@ def test_kernels_load_without_a_compile_pool_on_cuda_only(monkeypatch) -> None:
         return object()
 
     monkeypatch.setattr(precompiled, "_load_function", load)
-    monkeypatch.setattr(inductor_config, "compile_threads", 8)
-    for device in ("cuda", "cpu"):
-        pre = precompiled.Loaded({"group": {"sig": (b"x", MODES, [])}}, device=device)
-        assert list(pre.take("group", test_kernels_load_without_a_compile_pool_on_cuda_only))
-    assert seen == [1, 8]
-    assert inductor_config.compile_threads == 8  # put back
-    with serial_kernel_loads("cuda"):
-        assert inductor_config.compile_threads == 1
-    monkeypatch.setattr(inductor_config, "compile_threads", configured)
+    # inductor's config, patched its own way (monkeypatch's undo deletes a config key)
+    with inductor_config.patch(compile_threads=8):
+        for device in ("cuda", "cpu"):
+            pre = precompiled.Loaded({"group": {"sig": (b"x", MODES, [])}}, device=device)
+            assert list(pre.take("group", test_kernels_load_without_a_compile_pool_on_cuda_only))
+        assert seen == [1, 8]
+        assert inductor_config.compile_threads == 8  # put back
+        with serial_kernel_loads("cuda"):
+            assert inductor_config.compile_threads == 1
 
 
 def test_manifest_backends_are_checked_without_listing_every_dynamo_backend(monkeypatch) -> None:
