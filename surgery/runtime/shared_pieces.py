@@ -34,7 +34,12 @@ from typing import Any
 
 from torch import fx, nn
 
-from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_KIND, Region
+from surgery.formats.manifest import (
+    PIECEWISE_DEFAULT_SPLIT_OPS,
+    PIECEWISE_KIND,
+    PIECEWISE_SPLIT_OPS,
+    Region,
+)
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.piece_cache import PieceCache
 from surgery.runtime.piecewise_split import PiecewiseGraph, op_name
@@ -133,9 +138,10 @@ def piece_sharing(resolved: Sequence[tuple[Region, str, nn.Module, str]],
         if region.kind != PIECEWISE_KIND:
             continue
         plan = plan_for(region, mod)
-        if not plan.eager_reason:
-            kinds[(type(mod), plan.backend, _text(plan.config_patches))] = tuple(
-                (region.piecewise or {}).get("split_ops", PIECEWISE_DEFAULT_SPLIT_OPS))
+        ops = tuple((region.piecewise or {}).get("split_ops", PIECEWISE_DEFAULT_SPLIT_OPS))
+        if not plan.eager_reason and all(op in PIECEWISE_SPLIT_OPS for op in ops):
+            # (an op off the allowlist: install_piecewise refuses the region with its error)
+            kinds[(type(mod), plan.backend, _text(plan.config_patches))] = ops
 
     def share(module: nn.Module, plan: CompilePlan, dynamic: Any) -> SharedPieces | None:
         split_ops = kinds.get((type(module), plan.backend, _text(plan.config_patches)))
