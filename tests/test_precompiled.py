@@ -75,6 +75,12 @@ def site(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+def _pythonpath(site: Path) -> str:
+    """The site and the repo first, then the caller's entries (on the GPU machine jsonschema
+    and tomli-w come from one of them)."""
+    return os.pathsep.join([str(site), HERE, os.environ.get("PYTHONPATH", "")])
+
+
 def _premod():  # type: ignore[no-untyped-def]
     import premod  # type: ignore[import-not-found]
 
@@ -157,7 +163,7 @@ def test_fresh_process_runs_the_precompiled_bundle_with_no_dynamo_frame(site) ->
     every region compiled, matches eager, and is bit-identical to the same regions compiled
     by dynamo there (a cold start's code: the artifact is not a different graph)."""
     (site / "deploy.py").write_text(DEPLOY_SRC)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), HERE]),
+    env = {**os.environ, "PYTHONPATH": _pythonpath(site),
            "TORCHINDUCTOR_CACHE_DIR": str(site / "inductor-warm")}
     warm = subprocess.run(
         [sys.executable, "-m", "surgery", "warm", "--model", "premod:build", "--manifest",
@@ -592,7 +598,7 @@ def test_cuda_fresh_process_loads_without_a_compile_pool_with_keys_hashed_beside
     handle.restore()
     (site / "deploy_cuda.py").write_text(CUDA_DEPLOY_SRC)
     cache = site / "inductor-cuda-deploy"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), HERE]),
+    env = {**os.environ, "PYTHONPATH": _pythonpath(site),
            "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     run = subprocess.run([sys.executable, "deploy_cuda.py"], cwd=site, env=env,
                          capture_output=True, text=True, timeout=400)

@@ -29,7 +29,13 @@ from surgery.formats.manifest import PIECEWISE_KIND, Manifest, Region, save_mani
 from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
 from surgery.runtime.cache import SavedBundle, cache_counters, save_bundle
-from surgery.runtime.compile_options import CLONE_RISK, COMPILE_KEYS, CompilePlan, plan_region
+from surgery.runtime.compile_options import (
+    CLONE_RISK,
+    COMPILE_KEYS,
+    CompilePlan,
+    RegionPlans,
+    plan_region,
+)
 from surgery.runtime.graph_memory import collect_memory, note_expandable_segments, parse_size
 from surgery.runtime.graphs.arena import arena_of
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
@@ -196,19 +202,18 @@ def apply_manifest(
     past it, paths run compiled without a graph (surgery.runtime.graph_memory).
     ``report.memory`` says what they hold, per path and in total.
     """
-    use_cache, dev = cache is not None and cache is not False, _device_of(model, model)
-    keys = KeyPrefetch.start(dev.type) if use_cache else None  # beside what follows (on CUDA)
+    dev = _device_of(model, model)  # on CUDA, one-time keys are hashed beside what follows:
+    keys = KeyPrefetch.start(dev.type) if cache is not None and cache is not False else None
     m = resolve_manifest(manifest)
     cap = parse_size(max_graph_memory)
     binding = bind_model(model, m, strict=strict)
-    records: list[RegionRecord] = []
-    report = ApplyReport(records)
+    report = ApplyReport(records := [])
     report.notes += binding.notes  # a cast since the plan, an older fingerprint
     handle = ApplyHandle(model, m, report)
     report.memory_source = lambda: collect_memory(handle._slots)
     handle._overrides = dict(overrides or {})
     handle._device = str(dev) if dev.type == "cuda" else dev.type
-    if use_cache:
+    if cache is not None and cache is not False:
         report.cache, handle.precompiled = load_for_apply(
             cache, manifest=m, overrides=handle._overrides, device=handle._device,
             notes=report.notes, keys=keys)
@@ -240,14 +245,13 @@ def apply_manifest(
     capped: set[int] = set()  # arenas whose cap this apply set
     clone_risk: list[str] = []
     mha = False
+    plans = RegionPlans(m, overrides, lambda mod: _on_cuda(mod, model))  # once per region
     try:
-        share = piece_sharing(resolved, lambda r, mod: plan_region(  # (shared_pieces)
-            m, r, overrides=overrides, on_cuda=_on_cuda(mod, model)), piecewise_groups)
+        share = piece_sharing(resolved, plans.get, piecewise_groups)  # (shared_pieces)
         for region, path, mod, name in resolved:
-            on_cuda = _on_cuda(mod, model)
-            plan = plan_region(m, region, overrides=overrides, on_cuda=on_cuda)
+            plan = plans.get(region, mod)
             rec = RegionRecord(path, region.kind, region.callable, "pending",
-                               backend=plan.backend, options=plan.options,
+                               backend=plan.backend, options=dict(plan.options),
                                cuda_graphs=plan.cuda_graphs, clone_outputs=plan.clone_outputs,
                                notes=list(plan.notes))
             records.append(rec)
