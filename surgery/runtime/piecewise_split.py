@@ -26,7 +26,8 @@ pieces of every graph and block that are the same code on the same input layout 
 callable) and, with CUDA and ``capture = "region"``, captured and replayed by a RegionGraphs per
 region path and distinct piece. Its parameters and buffers are read in place, never
 copied: the graph bakes their addresses, and a moved one drops that path's graphs. The split
-nodes run between pieces as an FX module, op by op (eagerly).
+nodes run between pieces op by op (eagerly), inlined into the split graph's own forward
+(surgery.runtime.piece_replay has the call-time side: graphs per piece, checks, glue).
 
 One FX graph may serve several region paths (identical blocks share compiled code), so the
 per-path state (graphs, counts) is looked up from the path whose call is running.
@@ -35,7 +36,6 @@ per-path state (graphs, counts) is looked up from the path whose call is running
 from __future__ import annotations
 
 import operator
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,9 +44,8 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
-from surgery.runtime.graphs.capture import Capturer
-from surgery.runtime.graphs.replay import RegionGraphs
-from surgery.runtime.piece_cache import CompiledPiece, PieceCache
+from surgery.runtime.piece_cache import PieceCache
+from surgery.runtime.piece_replay import PathPieces, StaticPiece, inline_between
 
 # Ops that always run between pieces: the manifest names some of these (attention by default).
 SPLIT_OPS = PIECEWISE_SPLIT_OPS
@@ -149,27 +148,6 @@ def _merge_free_runs(between: dict[fx.Node, bool]) -> dict[fx.Node, bool]:
     return out
 
 
-def canonical_output(gm: fx.GraphModule) -> tuple[bool, tuple[int, ...] | None]:
-    """Make the piece return a tuple (backends require one), its values in the order the graph
-    computes them. Returns (whether it returned one value, the permutation ``perm`` with
-    ``returned[i] = canonical[perm[i]]``, None when the order is kept)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    value = out.args[0]
-    if not isinstance(value, tuple | list):
-        out.args = ((value,),)
-        gm.recompile()
-        return True, None
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    if not all(isinstance(v, fx.Node) for v in value) or len(set(value)) != len(value):
-        return False, None  # a constant or a value returned twice: keep the order
-    ordered = sorted(value, key=pos.__getitem__)
-    if ordered == list(value):
-        return False, None
-    out.args = (tuple(ordered),)
-    gm.recompile()
-    return False, tuple(ordered.index(v) for v in value)
-
-
 def _is_work(gm: fx.GraphModule) -> bool:
     return any(n.op.startswith("call") and not _free(n) for n in gm.graph.nodes)
 
@@ -220,6 +198,7 @@ class PiecewiseGraph:
             piece.work = _is_work(sub)
             self.static.append(piece)
             setattr(self.split, node.target, piece)
+        self.inlined = inline_between(self.split, {p.gm for p in self.static})
 
     @property
     def pieces(self) -> int:
@@ -228,141 +207,3 @@ class PiecewiseGraph:
 
     def __call__(self, *args: Any) -> Any:
         return self.split(*args)
-
-
-class PathPieces:
-    """One region path's view of the pieces: its region graphs and what it counted."""
-
-    def __init__(self, module: nn.Module, capturer: Capturer | None, *, warn: Callable[[str], None],
-                 notes: list[str], label: str = "") -> None:
-        self.module = module
-        self.label = label  # the region path, for its pieces' notes
-        self.capturer = capturer
-        self.warn = warn
-        self.notes = notes
-        # a distinct piece (its key, or its id when it has none) -> its graphs
-        self.graphs: dict[Any, tuple[RegionGraphs, _PieceCall]] = {}
-        self.piece_runs = 0  # static pieces run (replayed or not)
-        self.compiled = 0  # pieces this path compiled
-        self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
-        self.compile_s = 0.0  # seconds this path spent compiling pieces
-        self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
-
-    @property
-    def replays(self) -> int:
-        return sum(g.replays for g, _ in self.graphs.values())
-
-    @property
-    def captures(self) -> int:
-        return sum(g.captures for g, _ in self.graphs.values())
-
-    @property
-    def capture_s(self) -> float:
-        return sum(g.capture_s for g, _ in self.graphs.values())
-
-    def drop(self, why: str) -> None:
-        for g, _ in self.graphs.values():
-            g.drop(why)
-        self.graphs.clear()
-
-
-class _PieceCall:
-    """What a RegionGraphs calls for one piece and path: the compiled piece with the path's
-    current parameters put back among the copied inputs."""
-
-    def __init__(self, piece: StaticPiece) -> None:
-        self.piece = piece
-        self.stable: list[Any] = []
-        self.ptrs: list[int] = []
-
-    def merge(self, args: Sequence[Any]) -> list[Any]:
-        it, st = iter(args), iter(self.stable)
-        pos = self.piece.stable_set
-        return [next(st) if j in pos else next(it) for j in range(self.piece.arity)]
-
-    def raw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.piece.run_canonical(self.merge(args))
-
-    def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
-        return self.piece.run_canonical(self.merge(args)), True
-
-
-class StaticPiece(nn.Module):
-    """A fixed-shape piece: compiled on its first call, replayed from a path's region graphs."""
-
-    def __init__(self, index: int, gm: fx.GraphModule, stable_pos: list[int],
-                 pieces: PieceCache, owner: PiecewiseGraph) -> None:
-        super().__init__()
-        self.index = index
-        self.gm = gm
-        self.stable_pos = stable_pos
-        self.stable_set = frozenset(stable_pos)
-        self.arity = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-        self._pieces = [pieces]  # a list: not a submodule
-        self._fn: CompiledPiece | None = None
-        self.key: Any = None  # what makes it interchangeable with other pieces (piece_cache)
-        # its values come back in the graph's order (canonical_output); put back per caller
-        self._single, self._perm = canonical_output(gm)
-        self.work = True
-        self._owner = [owner]
-
-    def ensure(self, args: Sequence[Any], state: PathPieces | None) -> CompiledPiece:
-        """The compiled piece: compiled now, or the callable of an identical piece."""
-        if self._fn is None:
-            t0 = time.perf_counter()
-            self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos)
-            self.key = key if key is not None else ("piece", id(self))
-            if state is not None:
-                if fresh:
-                    state.compiled += 1
-                    state.compile_s += time.perf_counter() - t0
-                else:
-                    state.shared += 1
-        return self._fn
-
-    def run_canonical(self, args: list[Any]) -> Any:
-        """The compiled piece's outputs, in the canonical order (what region graphs capture:
-        identical pieces share them whatever order each caller wants)."""
-        return self.ensure(args, None)(*args)  # dynamo's calling convention
-
-    def restore(self, out: Sequence[Any]) -> Any:
-        """The outputs as this piece's callers expect them: one value, or the tuple in order."""
-        if self._single:
-            return out[0]
-        return tuple(out) if self._perm is None else tuple(out[p] for p in self._perm)
-
-    def run(self, args: list[Any]) -> Any:
-        return self.restore(self.run_canonical(args))
-
-    def forward(self, *args: Any) -> Any:
-        state = self._owner[0].state_for()
-        if state is None:
-            return self.run(list(args))
-        state.piece_runs += 1
-        fn = self.ensure(args, state)
-        if state.capturer is None:
-            return self.run(list(args))
-        stable = [args[j] for j in self.stable_pos]
-        # One set of graphs per distinct piece AND the weights it runs with: the stack region's
-        # blocks run one piece code with each block's own parameters (by identity: a parameter
-        # moved in place keeps its set, whose graphs are dropped below). The graphs return the
-        # canonical outputs, so one piece's graphs serve every identical piece.
-        gkey = (self.key, tuple(id(t) for t in stable))
-        entry = state.graphs.get(gkey)
-        if entry is None:
-            call = _PieceCall(self)
-            graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
-                                  warn=state.warn, notes=state.notes,
-                                  label=f"{state.label} (piece {len(state.graphs)})")
-            if fn.runs > 0:  # it ran already (in another graph or path): capture at once
-                graphs.ready = lambda args, kwargs: True
-            entry = state.graphs[gkey] = (graphs, call)
-        graphs, call = entry
-        ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in stable]
-        if ptrs != call.ptrs:  # new or moved parameters: graphs baked the old addresses
-            if call.ptrs:
-                graphs.drop("a piece's parameters or buffers moved")
-            call.stable, call.ptrs = stable, ptrs
-        dynamic = tuple(a for j, a in enumerate(args) if j not in self.stable_set)
-        return self.restore(graphs(dynamic, {}, call.run_compiled))
-

@@ -6,6 +6,7 @@ manifest, no modules.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from surgery.runtime.graphs.capture import Graph
+
+_DETACH = torch.Tensor.detach
 
 # At most this many output sets per signature (a ring for outputs kept across calls, such as a
 # KV cache of `attn_pre`'s k and v); past it, the path clones its outputs instead.
@@ -140,7 +143,7 @@ class OutputSet:
     someone still holds what a replay returned from it.
     """
 
-    __slots__ = ("__weakref__", "baseline", "shared", "storages", "tensors", "writers")
+    __slots__ = ("__weakref__", "_cdata", "baseline", "shared", "storages", "tensors", "writers")
 
     def __init__(self, tensors: list[torch.Tensor], *, shared: bool) -> None:
         self.tensors = tensors  # in output order; views of `storages`, laid out as compiled
@@ -150,7 +153,8 @@ class OutputSet:
         self.writers = 0  # graphs that write it
         count = _use_count
         assert count is not None  # RegionGraphs never captures without it
-        self.baseline = [count(s._cdata) for s in self.storages]
+        self._cdata = [s._cdata for s in self.storages]  # read per replay by held()
+        self.baseline = list(map(count, self._cdata))
 
     @property
     def nbytes(self) -> int:
@@ -163,14 +167,13 @@ class OutputSet:
 
     def hand_out(self, clone: bool) -> list[torch.Tensor]:
         """What a call returns: clones, or views that share this set's buffers."""
-        return [o.clone() for o in self.tensors] if clone else [o.detach() for o in self.tensors]
+        return [o.clone() for o in self.tensors] if clone else list(map(_DETACH, self.tensors))
 
     def held(self) -> bool:
         """Does anyone but us still reference what an earlier replay returned from this set?"""
-        pairs = zip(self.storages, self.baseline, strict=True)
         count = _use_count
         assert count is not None
-        return any(count(s._cdata) > b for s, b in pairs)
+        return any(map(operator.gt, map(count, self._cdata), self.baseline))
 
 
 @dataclass

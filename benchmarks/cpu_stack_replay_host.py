@@ -1,0 +1,155 @@
+"""Host time per token of surgery's piecewise stack replays, on the CPU, with a free graph.
+
+What it isolates. On an H200, GPT-2 small's decode through ``generate()`` is host-bound, and the
+piecewise stack (``plan --piecewise``: ``transformer`` one region) spends its host time in the
+piece replays (signature check, parameter checks, output ring, input copies) and in surgery's
+bookkeeping around them. Here the same path runs on the CPU with a stand-in capturer whose
+replay does nothing (``NullCapturer``), so a replay costs only surgery's Python; pieces compile
+with ``eager`` so the captured work is free too. The figure to read is surgery's host time per
+token: the stack arm's ms/token minus what a plain eager ``generate()`` of the same model costs
+is *not* it (the eager arm computes every op); instead the profile's ``surgery`` share (frames in
+surgery/) and the per-replay cost are printed.
+
+    python benchmarks/cpu_stack_replay_host.py [--layers 12] [--tokens 32] [--rounds 5]
+        [--profile FILE]     # write a cProfile of one generate() to FILE
+
+Printed: ms/token of the stack arm (median of rounds), piece replays per token, the wall time
+of a static piece's call (``StaticPiece.forward``: with the free graph that is all surgery's
+host cost of a replay: lookups, signature, parameter checks, held check, copies, hand-out) per
+call and per token, and surgery's us per token and per replay (cProfile of one generate: self
+time inside surgery/ frames, not the model's code they call), tokens identical to eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+class NullGraph:
+    def replay(self) -> None:
+        pass
+
+
+class NullCapturer:
+    """Runs the capture's work once (so the owned outputs are filled); a replay does nothing."""
+
+    device = -1
+
+    def __init__(self) -> None:
+        import weakref
+        self.owned: Any = weakref.WeakValueDictionary()
+
+    def capture(self, work: Callable[[], None]) -> NullGraph:
+        work()
+        return NullGraph()
+
+
+def surgery_self_us(prof: cProfile.Profile) -> float:
+    """Seconds spent in frames of surgery/ itself (tottime), in us."""
+    stats = pstats.Stats(prof)
+    root = os.path.join(os.path.dirname(HERE), "surgery")
+    return sum(v[2] for k, v in stats.stats.items()  # type: ignore[attr-defined]
+               if k[0].startswith(root)) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", default="")
+    args = ap.parse_args()
+    import torch
+    import transformers
+
+    from surgery import apply_manifest
+    from surgery.planning.plan import plan_module
+    from surgery.runtime import apply as apply_mod
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=2,
+                                  vocab_size=100, n_positions=256, bos_token_id=None,
+                                  eos_token_id=None)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def generate(m: Any, n: int = args.tokens) -> Any:
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    model = copy.deepcopy(base)
+    manifest = plan_module(model, source="cpu_stack_replay_host", piecewise=True).manifest
+    capturer = NullCapturer()
+    apply_mod._on_cuda = lambda module, model: True  # type: ignore[assignment]
+    apply_mod._capturer_for = lambda module: capturer  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 4), passes=2,
+                                overrides={"backend": "eager"})
+    want = generate(base)
+    identical = bool(torch.equal(generate(model), want))
+    from surgery.runtime import piecewise_split
+
+    piece_s = [0.0, 0]
+    forward = piecewise_split.StaticPiece.forward
+
+    def timed(self: Any, *a: Any) -> Any:  # the pieces' host time: a replay runs no work here
+        t0 = time.perf_counter()
+        try:
+            return forward(self, *a)
+        finally:
+            piece_s[0] += time.perf_counter() - t0
+            piece_s[1] += 1
+
+    replays0 = sum(r.cuda_graph_replays for r in handle.report)
+    piecewise_split.StaticPiece.forward = timed  # type: ignore[method-assign]
+    ms = []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        generate(model)
+        ms.append((time.perf_counter() - t) * 1e3 / args.tokens)
+    piecewise_split.StaticPiece.forward = forward  # type: ignore[method-assign]
+    replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds
+    piece_calls = piece_s[1] / args.rounds
+    prof = cProfile.Profile()
+    prof.enable()
+    generate(model)
+    prof.disable()
+    if args.profile:
+        prof.dump_stats(args.profile)
+    s_us = surgery_self_us(prof)
+    per_token = replays / args.tokens
+    res = {"torch": torch.__version__, "layers": args.layers, "tokens": args.tokens,
+           "stack_ms_per_token": round(statistics.median(ms), 3),
+           "piece_replays_per_token": round(per_token, 2),
+           "piece_calls_per_token": round(piece_calls / args.tokens, 2),
+           "surgery_us_per_piece_call": round(piece_s[0] / max(piece_s[1], 1) * 1e6, 2),
+           "surgery_piece_us_per_token": round(piece_s[0] / args.rounds / args.tokens * 1e6, 1),
+           "surgery_self_us_per_token_profiled": round(s_us / args.tokens, 1),
+           "surgery_self_us_per_replay_profiled": round(s_us / args.tokens / max(per_token, 1), 2),
+           "tokens_identical": identical,
+           "compiled_paths": [r.path for r in handle.report if r.status == "compiled"]}
+    if not res["compiled_paths"] or per_token == 0:
+        print("NOTHING REPLAYED: the stack path did not capture; the figure is meaningless",
+              file=sys.stderr)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The static pieces of a piecewise graph at call time: each piece's region graphs per path and
+per set of weights, and the glue between pieces (surgery.runtime.piecewise_split splits the
+graph; surgery.runtime.piecewise has the design of the region kind).
+
+Why a module of its own. On a host-bound decode (GPT-2 small at batch 1 on an H200 is all host
+time) every microsecond of a piece's call repeats ~13-16 times a token. So the per-call path is
+written for a few C-level calls, not Python loops, while every check a replay needs stays:
+
+- **Which graphs.** A piece's graphs are found by (its compiled callable, the ids of the
+  parameters and buffers it reads). Identical pieces share one compiled callable
+  (surgery.runtime.piece_cache), so its id stands for the piece's key: the key itself is a tuple
+  of code and layout that Python does not hash-cache, and hashing it every replay cost ~10 us
+  on a 2-core CPU. The callable is kept alive by the piece, so its id is never reused while a
+  graph keyed by it lives.
+- **Moved weights.** The graphs bake the weights' addresses. Before each replay the data
+  pointers of the piece's parameters and buffers are compared with those the graphs were
+  captured with (one ``map`` over ``Tensor.data_ptr``); a moved one (``.data = ``,
+  ``module.to()``) drops that set's graphs, which capture again. A replaced parameter object is
+  a new key: graphs of its own.
+- **Held outputs.** The replay's held check (surgery.runtime.graphs.outputs) reads each output
+  storage's use count through precomputed handles in one pass; a set a caller still holds is
+  never overwritten (the ring grows instead).
+- **Between pieces.** split_module leaves each run of split ops (attention, cache cats, masks)
+  as a submodule of its own, whose call costs two to four Python frames and nn.Module's call
+  path. ``inline_between`` copies their ops into the split graph's own forward, in order, so
+  the glue runs as one generated function; the ops are the same, so the cache grows as eager.
+  A submodule reading attributes of its own stays a call.
+- **Inputs.** A piece's weights and its other inputs are picked with ``operator.itemgetter``
+  built once per piece, not rebuilt per call.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from surgery.runtime.graphs.capture import Capturer
+from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.piece_cache import CompiledPiece, PieceCache
+
+
+def canonical_output(gm: fx.GraphModule) -> tuple[bool, tuple[int, ...] | None]:
+    """Make the piece return a tuple (backends require one), its values in the order the graph
+    computes them. Returns (whether it returned one value, the permutation ``perm`` with
+    ``returned[i] = canonical[perm[i]]``, None when the order is kept)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    if not isinstance(value, tuple | list):
+        out.args = ((value,),)
+        gm.recompile()
+        return True, None
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not all(isinstance(v, fx.Node) for v in value) or len(set(value)) != len(value):
+        return False, None  # a constant or a value returned twice: keep the order
+    ordered = sorted(value, key=pos.__getitem__)
+    if ordered == list(value):
+        return False, None
+    out.args = (tuple(ordered),)
+    gm.recompile()
+    return False, tuple(ordered.index(v) for v in value)
+
+
+def inline_between(split: fx.GraphModule, keep: set[Any]) -> int:
+    """Copy the ops of each between-pieces submodule into ``split``'s own graph, so they run in
+    its one forward instead of through a GraphModule call each (two to four Python frames and
+    nn.Module's call path: ~10 us a submodule on a 2-core CPU, ~13 submodules a GPT-2 token).
+    The ops and their order are unchanged. A submodule that reads attributes or submodules of
+    its own (``get_attr``, ``call_module``) stays a call. Returns how many were inlined."""
+    graph = split.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.kwargs:
+            continue
+        sub = split.get_submodule(str(node.target))
+        if getattr(sub, "gm", None) in keep or not isinstance(sub, fx.GraphModule) or any(
+                n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
+            continue
+        inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        users = list(node.users)
+        out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        many = isinstance(out, tuple | list)
+        if len(inputs) != len(node.args) or (many and not all(
+                u.op == "call_function" and u.target is operator.getitem
+                and isinstance(u.args[1], int) for u in users)):
+            continue
+        env: dict[fx.Node, Any] = dict(zip(inputs, node.args, strict=True))
+        with graph.inserting_before(node):
+            value = graph.graph_copy(sub.graph, env)
+        if many:
+            for u in users:
+                u.replace_all_uses_with(value[u.args[1]])
+                graph.erase_node(u)
+        else:
+            node.replace_all_uses_with(value)
+        graph.erase_node(node)
+        split.delete_submodule(str(node.target))
+        done += 1
+    if done:
+        graph.lint()
+        split.recompile()
+    return done
+
+
+class PathPieces:
+    """One region path's view of the pieces: its region graphs and what it counted."""
+
+    def __init__(self, module: nn.Module, capturer: Capturer | None, *, warn: Callable[[str], None],
+                 notes: list[str], label: str = "") -> None:
+        self.module = module
+        self.label = label  # the region path, for its pieces' notes
+        self.capturer = capturer
+        self.warn = warn
+        self.notes = notes
+        # a distinct piece (its key, or its id when it has none) -> its graphs
+        self.graphs: dict[Any, tuple[RegionGraphs, _PieceCall]] = {}
+        self.piece_runs = 0  # static pieces run (replayed or not)
+        self.compiled = 0  # pieces this path compiled
+        self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
+        self.compile_s = 0.0  # seconds this path spent compiling pieces
+        self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g, _ in self.graphs.values())
+
+    @property
+    def captures(self) -> int:
+        return sum(g.captures for g, _ in self.graphs.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(g.capture_s for g, _ in self.graphs.values())
+
+    def drop(self, why: str) -> None:
+        for g, _ in self.graphs.values():
+            g.drop(why)
+        self.graphs.clear()
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function returning the items of a sequence at ``positions``, as a tuple."""
+    if not positions:
+        return lambda seq: ()
+    get = operator.itemgetter(*positions)
+    if len(positions) == 1:
+        return lambda seq: (get(seq),)
+    return get  # type: ignore[return-value]
+
+
+class _PieceCall:
+    """What a RegionGraphs calls for one piece and path: the compiled piece with the path's
+    current parameters put back among the copied inputs."""
+
+    def __init__(self, piece: StaticPiece) -> None:
+        self.piece = piece
+        self.stable: list[Any] = []
+        self.ptrs: list[int] = []
+        self.tensors = False  # every stable input is a tensor (ptrs by one map)
+
+    def merge(self, args: Sequence[Any]) -> list[Any]:
+        it, st = iter(args), iter(self.stable)
+        pos = self.piece.stable_set
+        return [next(st) if j in pos else next(it) for j in range(self.piece.arity)]
+
+    def raw(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.piece.run_canonical(self.merge(args))
+
+    def run_compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        return self.piece.run_canonical(self.merge(args)), True
+
+
+class StaticPiece(nn.Module):
+    """A fixed-shape piece: compiled on its first call, replayed from a path's region graphs."""
+
+    def __init__(self, index: int, gm: fx.GraphModule, stable_pos: list[int],
+                 pieces: PieceCache, owner: Any) -> None:  # owner: its PiecewiseGraph
+        super().__init__()
+        self.index = index
+        self.gm = gm
+        self.stable_pos = stable_pos
+        self.stable_set = frozenset(stable_pos)
+        self.arity = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        self._pieces = [pieces]  # a list: not a submodule
+        self._fn: CompiledPiece | None = None
+        self.key: Any = None  # what makes it interchangeable with other pieces (piece_cache)
+        # its values come back in the graph's order (canonical_output); put back per caller
+        self._single, self._perm = canonical_output(gm)
+        self.work = True
+        self._owner = [owner]
+        self.kid = -1  # id of the compiled callable: one per key (ensure)
+        # a call's parameters/buffers and its other inputs, picked in one C-level call each
+        self._take_stable = _picker(stable_pos)
+        self._take_dynamic = _picker([j for j in range(self.arity) if j not in self.stable_set])
+
+    def ensure(self, args: Sequence[Any], state: PathPieces | None) -> CompiledPiece:
+        """The compiled piece: compiled now, or the callable of an identical piece."""
+        if self._fn is None:
+            t0 = time.perf_counter()
+            self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos)
+            self.key = key if key is not None else ("piece", id(self))
+            self.kid = id(self._fn)  # identical pieces share the callable (piece_cache)
+            if state is not None:
+                if fresh:
+                    state.compiled += 1
+                    state.compile_s += time.perf_counter() - t0
+                else:
+                    state.shared += 1
+        return self._fn
+
+    def run_canonical(self, args: list[Any]) -> Any:
+        """The compiled piece's outputs, in the canonical order (what region graphs capture:
+        identical pieces share them whatever order each caller wants)."""
+        return self.ensure(args, None)(*args)  # dynamo's calling convention
+
+    def restore(self, out: Sequence[Any]) -> Any:
+        """The outputs as this piece's callers expect them: one value, or the tuple in order."""
+        if self._single:
+            return out[0]
+        return tuple(out) if self._perm is None else tuple(out[p] for p in self._perm)
+
+    def run(self, args: list[Any]) -> Any:
+        return self.restore(self.run_canonical(args))
+
+    def forward(self, *args: Any) -> Any:
+        state = self._owner[0].state_for()
+        if state is None:
+            return self.run(list(args))
+        state.piece_runs += 1
+        if self._fn is None:
+            self.ensure(args, state)
+        if state.capturer is None:
+            return self.run(list(args))
+        stable = self._take_stable(args)
+        # One set of graphs per distinct piece AND the weights it runs with: the stack region's
+        # blocks run one piece code with each block's own parameters (by identity: a parameter
+        # moved in place keeps its set, whose graphs are dropped below). The graphs return the
+        # canonical outputs, so one piece's graphs serve every identical piece. Identical pieces
+        # share one compiled callable, whose id (``kid``, kept alive by the piece) stands for
+        # the key: a key tuple is not hash-cached, and hashing it every replay cost ~10 us.
+        gkey = (self.kid, *map(id, stable))
+        entry = state.graphs.get(gkey)
+        if entry is None:
+            entry = state.graphs[gkey] = self._new_graphs(state)
+        graphs, call = entry
+        # New or moved parameters (``.data = ``, ``module.to()`` keep the object, move the
+        # data): the graphs baked the old addresses. One C-level pass when all are tensors.
+        ptrs = list(map(_DATA_PTR, stable)) if call.tensors else \
+            [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in stable]
+        if ptrs != call.ptrs:
+            if call.ptrs:
+                graphs.drop("a piece's parameters or buffers moved")
+            call.stable, call.ptrs = list(stable), ptrs
+            call.tensors = all(isinstance(t, torch.Tensor) for t in stable)
+        return self.restore(graphs(self._take_dynamic(args), {}, call.run_compiled))
+
+    def _new_graphs(self, state: PathPieces) -> tuple[RegionGraphs, _PieceCall]:
+        call = _PieceCall(self)
+        graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
+                              warn=state.warn, notes=state.notes,
+                              label=f"{state.label} (piece {len(state.graphs)})")
+        assert self._fn is not None
+        if self._fn.runs > 0:  # it ran already (in another graph or path): capture at once
+            graphs.ready = lambda args, kwargs: True
+        return graphs, call
