@@ -21,6 +21,11 @@ _DETACH = torch.Tensor.detach
 # At most this many output sets per signature (a ring for outputs kept across calls, such as a
 # KV cache of `attn_pre`'s k and v); past it, the path clones its outputs instead.
 MAX_OUTPUT_SETS = 8
+# Output sets of a path that clones its outputs: the shared first set, and one of its own.
+SHARED_SET_GROWTH = 2
+SHARED_SET_NOTE = "its shared output set held other paths' outputs: it captured a set of its own"
+KEPT_NOTE = ("outputs are kept across calls (a KV cache?): surgery keeps a ring of output "
+             "buffers instead of cloning")
 
 
 _SCALARS = (int, float, bool, str, type(None))

@@ -44,10 +44,10 @@ The contract, which is what makes that safe:
   When a caller still holds what an earlier call returned (a KV cache keeps ``attn_pre``'s k and
   v, pytorch#152887), the path captures one more graph writing a fresh output set, and replays
   rotate through this ring, using a set nobody holds. Past ``MAX_OUTPUT_SETS`` sets, the call
-  runs without a graph, one warning says so, and the path clones its outputs from then on: it
-  forgets the ring (freed as the caller lets its outputs go) and captures one set again, which
-  what it hands out (clones) never holds.
-  ``clone_outputs = true`` clones from the start. Nothing is overwritten while referenced.
+  runs without a graph, one warning says so, and the path clones its outputs from then on
+  (``clone_outputs = true``: from the start): it forgets the ring and captures one set, which
+  its clones never hold, or one more of its own if another path's held outputs are in it (a
+  first set is shared: ``outputs.SHARED_SET_GROWTH``). Nothing is overwritten while referenced.
 - **Collectives.** A path whose call issues a torch.distributed collective (a tensor-parallel
   all-reduce) is never captured and runs its compiled code without a graph; the reason is in
   its record (surgery.runtime.graphs.collectives holds the evidence).
@@ -216,7 +216,8 @@ class RegionGraphs:
             # caller lets go); the next call captures one set again.
             self._forget(sig)
             return run_compiled(args, kwargs)[0]
-        grow = outs is None and not self.clone and len(cap.sets) < MAX_OUTPUT_SETS
+        grow = outs is None and len(cap.sets) < (MAX_OUTPUT_SETS if not self.clone else 0 if
+                                                 self.over_cap else outputs.SHARED_SET_GROWTH)
         if grow and not make_room(self.arena, self, self.arena.set_needed(cap.layout, set(),
                                                                           first=False)):
             grow = False
@@ -234,8 +235,7 @@ class RegionGraphs:
             if outs is None:
                 return run_compiled(args, kwargs)[0]
             if len(cap.sets) == 2:
-                self.notes.append("outputs are kept across calls (a KV cache?): surgery keeps "
-                                  "a ring of output buffers instead of cloning")
+                self.notes.append(outputs.SHARED_SET_NOTE if self.clone else outputs.KEPT_NOTE)
         else:
             outs.graph.replay()
             self.replays += 1
