@@ -6,6 +6,7 @@ catch what they must (moved weights, replaced weights), tokens identical to eage
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -13,12 +14,13 @@ import torch
 from torch import fx, nn
 
 from surgery.planning.plan import plan_module
+from surgery.runtime.apply import apply_manifest
 from surgery.runtime.compile_options import plan_region
 from surgery.runtime.piece_replay import StaticPiece, inline_between
 from surgery.runtime.piecewise import install_piecewise
 from surgery.runtime.report import RegionRecord
 from tests.test_graphs import FakeCapturer
-from tests.test_piecewise_stack import ON_CPU, generate, same_as_eager
+from tests.test_piecewise_stack import ON_CPU, generate, same_as_eager, stack_plan, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,3 +121,28 @@ def test_weight_replaced_after_capture_gets_graphs_of_its_own() -> None:
         same_as_eager(generate(model, IDS, 8), generate(ref, IDS, 8))
     assert rec.graphs_captured > captured
     assert not any(MOVED in n for n in rec.notes), rec.notes  # a new key, not a move
+
+
+@pytest.mark.cuda
+def test_cuda_weight_moved_in_place_between_generates_is_not_read_from_the_old_address() -> None:
+    """On CUDA the pieces' graphs bake the weights' addresses: after ``.data = `` on a weight
+    (between two generate() calls, graphs captured and replaying), the tokens and cache must be
+    those of eager with the new weight, so the pointer check must have dropped and recaptured."""
+    model = tiny_gpt2().cuda()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, stack_plan(), overrides={"backend": "aot_eager"})
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    stack = handle.report.by_path("transformer")
+    with torch.no_grad():
+        for _ in range(2):
+            same_as_eager(generate(model, ids), generate(ref, ids), exact=False)
+        assert stack.cuda_graph_replays > 0, stack.notes
+        captured = stack.graphs_captured
+        for m in (model, ref):
+            w = m.transformer.h[1].mlp.c_fc.weight
+            w.data = w.data * -1.0
+        same_as_eager(generate(model, ids), generate(ref, ids), exact=False)
+    assert any(MOVED in n for n in stack.notes), stack.notes
+    assert stack.graphs_captured > captured
