@@ -88,7 +88,7 @@ def plan_stacks(manifest: Manifest, view: ModelView) -> list[str]:
             manifest.left_out += [LeftOut(p, other.kind, f"inside piecewise region {stack}")
                                   for p in other.paths]
             manifest.regions.remove(other)
-        region.piecewise = {**region.piecewise, PIECEWISE_FALLBACK_FOR: [stack]}
+        region.piecewise = {**(region.piecewise or {}), PIECEWISE_FALLBACK_FOR: [stack]}
         manifest.regions.append(Region(
             kind=PIECEWISE_KIND, paths=[stack], module_class=view.modules[stack].cls,
             parameters=view.numel(stack), compile={"max_signatures": STACK_MAX_COMPILES},

@@ -93,7 +93,7 @@ def inline_between(split: fx.GraphModule, keep: set[Any]) -> int:
             value = graph.graph_copy(sub.graph, env)
         if many:
             for u in users:
-                u.replace_all_uses_with(value[u.args[1]])
+                u.replace_all_uses_with(value[u.args[1]])  # type: ignore[index]
                 graph.erase_node(u)
         else:
             node.replace_all_uses_with(value)
@@ -263,6 +263,7 @@ class StaticPiece(nn.Module):
 
     def _new_graphs(self, state: PathPieces) -> tuple[RegionGraphs, _PieceCall]:
         call = _PieceCall(self)
+        assert state.capturer is not None  # only with a capturer: call() runs the piece otherwise
         graphs = RegionGraphs(nn.Module(), state.capturer, call.raw, clone_outputs=False,
                               warn=state.warn, notes=state.notes,
                               label=f"{state.label} (piece {len(state.graphs)})")
