@@ -19,6 +19,21 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   its 12 blocks piecewise, each entered through dynamo every token
   gpt2_stack      `plan --model ... --piecewise` as planned: `transformer` as ONE piecewise
                   region (one dynamo entry a token), its blocks standing by
+  gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
+                  ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
+                  the eager model, the stack plan applied to the other; both warmed at full
+                  length, then --rounds R (5) rounds each time one generate() of each, the first
+                  of the pair alternating (eager first in round 0). Separate processes swing
+                  with where the host places each (0.71x-2.07x across five H200 calls, one
+                  eager arm 8.2 and 5.7 ms a token in one call); here both share the placement.
+                  It reports per model the median / p90 ms per token, the ratio of the medians
+                  (eager / stack), each round's ratio and which went first, whether every
+                  round's tokens equal the eager model's first, the stack's counts (as
+                  gpt2_stack), and each model's steady peak memory above both models' weights
+                  (the peak of its own calls; the stack's graphs and pools are held throughout,
+                  so they count in eager's figure too). --pin puts the process on one CPU
+                  core (os.sched_setaffinity, the lowest core it may use; ``pinned`` says which,
+                  or "no"), so the two models cannot be placed apart.
 
 Figures: ms a frame (median, p90; CUDA events) or ms per generate() call and per token, cold
 start, peak GPU memory above the weights, the eager step's coverage by the plan (a watched run:
@@ -46,9 +61,10 @@ reset, and the 32 warm frames. ``rest_s`` is what the breakdown does not name: r
 frames (eager calls included), guards, surgery's and dynamo's Python, first kernel launches.
     python benchmarks/gpu_piecewise.py --all --arms gpt2_eager,gpt2_piecewise,gpt2_stack --profile
 
-``--profile`` adds, to the GPT-2 arms, one cProfile'd generate() split into host-time shares
-(benchmarks/_host_profile.py): dynamo entry, pieces, attention, surgery's wrappers, the rest,
-and the dynamo entries per token.
+``--profile`` adds, to the GPT-2 arms (not gpt2_ab), one cProfile'd generate() split into
+host-time shares (benchmarks/_host_profile.py): dynamo entry, pieces, attention, surgery's
+wrappers, the rest, and the dynamo entries per token.
+    python benchmarks/gpu_piecewise.py --all --arms gpt2_ab --rounds 7 --pin   # one process, A/B
     python benchmarks/gpu_piecewise.py --all --tiny --cpu-backend inductor \
         --arms sdpa_piecewise_before,sdpa_piecewise     # the cold start on the CPU, inductor
 """
@@ -81,9 +97,9 @@ from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "gpt2_eager", "gpt2_piecewise",
-        "gpt2_stack")
+        "gpt2_stack", "gpt2_ab")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
-                                                  "sdpa_piecewise_unshared"))
+                                                  "sdpa_piecewise_unshared", "gpt2_ab"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -317,58 +333,95 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     return out
 
 
-def run_gpt2(arm: str) -> dict[str, Any]:
+def _gpt2_setup() -> tuple[Any, Any, bool]:
+    """GPT-2 on the device (one CPU thread without CUDA), its 8-token prompt, whether CUDA."""
     import torch
 
-    from surgery import apply_manifest
+    cuda = torch.cuda.is_available()
+    if not cuda:  # the CPU smoke run: one thread, the shared machine's other cores are busy
+        torch.set_num_threads(1)
+    model = gpt2().to("cuda" if cuda else "cpu")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8),
+                        generator=torch.Generator().manual_seed(0)).to(model.device)
+    return model, ids, cuda
+
+
+def _generate(m: Any, ids: Any, n: int = NEW_TOKENS) -> Any:
+    """Greedy decoding of exactly ``n`` new tokens, as a user calls it."""
+    import torch
+
+    with torch.no_grad():
+        return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+def _gpt2_plan(arm: str, model: Any, ids: Any, out: dict[str, Any]) -> Any:
+    """The piecewise plan of GPT-2 for ``arm``: per block (gpt2_piecewise) or the stack region
+    over ``transformer`` (gpt2_stack, gpt2_ab). Records its regions and the eager step's
+    coverage (a watched run of ``model``)."""
     from surgery.planning.plan import compile_defaults, plan_model
     from surgery.planning.stacks import drop_stacks
 
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
-    if not cuda:  # the CPU smoke run: one thread, the shared machine's other cores are busy
-        torch.set_num_threads(1)
-    out: dict[str, Any] = {"arm": arm}
-    model = gpt2().to(dev)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)).to(dev)
+    manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
+                          piecewise=True).manifest
+    if arm == "gpt2_piecewise":  # the per-block layout, as before the stack region
+        drop_stacks(manifest)
+    elif not any(r.paths == ["transformer"] for r in manifest.regions):
+        raise RuntimeError("the plan has no stack region over `transformer`")
+    out["regions"] = paths_per_kind(manifest)
+    _coverage(model, lambda m: _generate(m, ids, 8), manifest, out)
+    return manifest
 
-    def generate(m: Any, n: int = NEW_TOKENS) -> Any:
-        with torch.no_grad():
-            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+def _apply_gpt2(model: Any, manifest: Any, ids: Any, cuda: bool) -> Any:
+    from surgery import apply_manifest
+
+    return apply_manifest(model, manifest, warmup=lambda m: _generate(m, ids, 8), passes=2,
+                          overrides=_overrides(cuda))
+
+
+def _peak_gib(base: int, cuda: bool) -> float:
+    import torch
+
+    return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3) if cuda else 0.0
+
+
+def _env(cuda: bool) -> dict[str, str]:
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+
+
+def run_gpt2(arm: str) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"arm": arm}
+    model, ids, cuda = _gpt2_setup()
+
+    def generate() -> Any:
+        return _generate(model, ids)
 
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     handle = None
     recompiles = _watch_recompiles()
     if arm in ("gpt2_piecewise", "gpt2_stack"):
-        manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
-                              piecewise=True).manifest
-        if arm == "gpt2_piecewise":  # the per-block layout, as before the stack region
-            drop_stacks(manifest)
-        elif not any(r.paths == ["transformer"] for r in manifest.regions):
-            raise RuntimeError("the plan has no stack region over `transformer`")
-        out["regions"] = paths_per_kind(manifest)
-        _coverage(model, lambda m: generate(m, 8), manifest, out)
+        manifest = _gpt2_plan(arm, model, ids, out)
         t0 = time.perf_counter()
-        handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 8), passes=2,
-                                overrides=_overrides(cuda))
+        handle = _apply_gpt2(model, manifest, ids, cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    tokens, _, _ = time_call(lambda: generate(model), cuda=cuda)  # warm at full length
+    tokens, _, _ = time_call(generate, cuda=cuda)  # warm at full length
     out["cold_s"] = round(time.perf_counter() - t0, 2)
     if handle is not None:  # the cold start's parts, and what made dynamo trace again
         _cold_breakdown(handle, out, recompiles)
     times = []
     for _ in range(3):
-        tokens, ms, _ = time_call(lambda: generate(model), cuda=cuda)
+        tokens, ms, _ = time_call(generate, cuda=cuda)
         times.append(ms)
     med = statistics.median(times)
     out.update(**latency(times), ms_per_token=round(med / NEW_TOKENS, 3),
                new_tokens=int(tokens.shape[1] - ids.shape[1]),
-               steady_peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
-               if cuda else 0.0,
-               gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
+               steady_peak_gib=_peak_gib(base, cuda), **_env(cuda))
     ref = os.environ.get("GPU_PIECEWISE_GPT2_REF")
     if ref and arm == "gpt2_eager":
         torch.save(tokens.cpu(), ref)
@@ -377,18 +430,86 @@ def run_gpt2(arm: str) -> dict[str, Any]:
     if handle is not None:
         _piecewise_counts(handle, out)
     if os.environ.get("GPU_PIECEWISE_PROFILE"):
-        out.update(host_profile(lambda: generate(model), tokens=NEW_TOKENS))
+        out.update(host_profile(generate, tokens=NEW_TOKENS))
     return out
 
 
-def run_all(arms: list[str], n_frames: int, timeout: int) -> list[dict[str, Any]]:
+def _pin(pin: bool) -> str:
+    """With --pin: this process, and the threads it starts later, on one CPU core (the lowest
+    it may use); what was done, for the output."""
+    if not pin:
+        return "no"
+    if not hasattr(os, "sched_setaffinity"):
+        return "no (os.sched_setaffinity is not on this platform)"
+    core = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f"cpu {core}"
+
+
+def run_gpt2_ab(rounds: int, pin: bool) -> dict[str, Any]:
+    """Eager and the stack plan in one process, taking turns: R rounds, each one generate() of
+    each, the first of the pair alternating (round 0 eager first). The host's placement of the
+    process, its clocks and caches are then shared by both models, unlike two arms' processes."""
+    import copy
+
+    import torch
+
+    out: dict[str, Any] = {"arm": "gpt2_ab", "pinned": _pin(pin)}
+    stack, ids, cuda = _gpt2_setup()
+    eager = copy.deepcopy(stack)  # untouched: no hooks, no compiled regions
+    base = torch.cuda.memory_allocated() if cuda else 0  # both models' weights
+    manifest = _gpt2_plan("gpt2_ab", stack, ids, out)
+    recompiles = _watch_recompiles()
+    t0 = time.perf_counter()  # the stack's cold start, as gpt2_stack's
+    handle = _apply_gpt2(stack, manifest, ids, cuda)
+    first = {"stack": time_call(lambda: _generate(stack, ids), cuda=cuda)[0]}  # full length
+    out["cold_s"] = round(time.perf_counter() - t0, 2)
+    _cold_breakdown(handle, out, recompiles)
+    first["eager"] = time_call(lambda: _generate(eager, ids), cuda=cuda)[0]  # warm eager too
+    models = {"eager": eager, "stack": stack}
+    times: dict[str, list[float]] = {"eager": [], "stack": []}
+    peaks = {"eager": 0.0, "stack": 0.0}
+    identical = bool(torch.equal(first["eager"], first["stack"]))
+    order = []
+    for r in range(rounds):
+        pair = ("eager", "stack") if r % 2 == 0 else ("stack", "eager")
+        order.append(pair[0])
+        got = {}
+        for k in pair:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            got[k], ms, _ = time_call(lambda m=models[k]: _generate(m, ids), cuda=cuda)
+            times[k].append(ms / NEW_TOKENS)
+            peaks[k] = max(peaks[k], _peak_gib(base, cuda))
+        identical = identical and bool(torch.equal(got["eager"], first["eager"])) \
+            and bool(torch.equal(got["stack"], got["eager"]))
+    for k, ts in times.items():
+        lat = latency(ts)
+        out[f"{k}_ms_per_token"] = lat["median_ms"]
+        out[f"{k}_p90_ms_per_token"] = lat["p90_ms"]
+        out[f"{k}_steady_peak_gib"] = peaks[k]
+    out.update(rounds=rounds, first_in_round=order,
+               speedup=round(out["eager_ms_per_token"] / out["stack_ms_per_token"], 3),
+               round_speedups=[round(e / s, 3) for e, s in zip(times["eager"], times["stack"],
+                                                               strict=True)],
+               eager_round_ms_per_token=[round(t, 3) for t in times["eager"]],
+               stack_round_ms_per_token=[round(t, 3) for t in times["stack"]],
+               new_tokens=int(first["stack"].shape[1] - ids.shape[1]),
+               tokens_identical=identical, weights_gib=round(base / 2**30, 3), **_env(cuda))
+    _piecewise_counts(handle, out)
+    return out
+
+
+def run_all(arms: list[str], n_frames: int, timeout: int,
+            ab: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Each arm in a fresh process; ``ab`` is gpt2_ab's own arguments (--rounds, --pin)."""
     tmp = os.environ.get("TMPDIR", "/tmp")
     refs = {"GPU_PIECEWISE_SDPA_REF": os.path.join(tmp, f"pw_sdpa_ref_{os.getpid()}.pt"),
             "GPU_PIECEWISE_GPT2_REF": os.path.join(tmp, f"pw_gpt2_ref_{os.getpid()}.pt")}
     results = []
     for i, arm in enumerate(arms):
         env = fresh_cache_env(f"gpu_piecewise_cache_{i}", **refs)
-        results.append(child_result([__file__, "--arm", arm, "--frames", str(n_frames)],
+        results.append(child_result([__file__, "--arm", arm, "--frames", str(n_frames), *ab],
                                     env=env, timeout=timeout, ident={"arm": arm}))
     return results
 
@@ -401,6 +522,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in results:
         if "error" in r:
             rows.append(f"| {r['arm']} | failed: {r['error'][:160]} | | | | | | | | |")
+            continue
+        if r["arm"] == "gpt2_ab":  # its own table below
             continue
         fam = r["arm"].split("_")[0]
         eager, names = by.get(f"{fam}_eager", {}), by.get(f"{fam}_names", {})
@@ -415,6 +538,9 @@ def table(results: list[dict[str, Any]]) -> str:
         cov = f"{r['coverage']:.1%}" if r.get("coverage") is not None else ""
         rows.append(f"| {r['arm']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {ve} | {vn} | "
                     f"{r['cold_s']:.1f} | {r['steady_peak_gib']:.2f} | {cov} | {pw} | {check} |")
+    if len(rows) == 2:  # only gpt2_ab arms: no row for this table
+        rows = []
+    rows += ab_table([r for r in results if r["arm"] == "gpt2_ab" and "error" not in r])
     prof = [r for r in results if "host_shares" in r]
     if prof:
         names = list(prof[0]["host_shares"])
@@ -424,6 +550,27 @@ def table(results: list[dict[str, Any]]) -> str:
                  f"{r['dynamo_entries_per_token']} | "
                  + " | ".join(f"{r['host_shares'][n]:.1%}" for n in names) + " |" for r in prof]
     return "\n".join(rows)
+
+
+def ab_table(results: list[dict[str, Any]]) -> list[str]:
+    """gpt2_ab: eager and the stack in one process, taking turns (ms per token)."""
+    if not results:
+        return []
+    rows = ["", "| gpt2_ab (one process) | eager ms/token (median / p90) | stack ms/token "
+            "(median / p90) | eager / stack | per round (first) | steady peak GiB eager / "
+            "stack | captured / replays / ops between / recompiles | tokens identical | pinned |",
+            "|---" * 9 + "|"]
+    for r in results:
+        per = ", ".join(f"{x:.2f}x ({f[0]})" for x, f in
+                        zip(r["round_speedups"], r["first_in_round"], strict=True))
+        rows.append(
+            f"| {r['rounds']} rounds | {r['eager_ms_per_token']:.3f} / "
+            f"{r['eager_p90_ms_per_token']:.3f} | {r['stack_ms_per_token']:.3f} / "
+            f"{r['stack_p90_ms_per_token']:.3f} | **{r['speedup']:.2f}x** | {per} | "
+            f"{r['eager_steady_peak_gib']:.2f} / {r['stack_steady_peak_gib']:.2f} | "
+            f"{r['pieces_captured']} / {r['piece_replays']} / {r['ops_between_per_call']} / "
+            f"{r['piecewise_recompiles']} | {r['tokens_identical']} | {r['pinned']} |")
+    return rows
 
 
 def cold_table(results: list[dict[str, Any]]) -> str:
@@ -463,8 +610,15 @@ def main() -> None:
                     help="what compiles the regions without CUDA (aot_eager by default)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true",
-                    help="GPT-2 arms: add one profiled generate()'s host-time shares")
+                    help="GPT-2 arms but gpt2_ab: add one profiled generate()'s host-time "
+                    "shares")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="gpt2_ab: rounds of one generate() of each model")
+    ap.add_argument("--pin", action="store_true",
+                    help="gpt2_ab: pin its process to one CPU core (os.sched_setaffinity)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.tiny:
         os.environ["GPU_PIECEWISE_SIZE"] = "tiny"
     if args.profile:
@@ -472,7 +626,8 @@ def main() -> None:
     if args.cpu_backend:  # the arms' processes inherit it
         os.environ["GPU_PIECEWISE_CPU_BACKEND"] = args.cpu_backend
     if args.arm:
-        run = (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
+        run = (lambda: run_gpt2_ab(args.rounds, args.pin)) if args.arm == "gpt2_ab" else \
+            (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
             (lambda: run_sdpa(args.arm, args.frames))
         print_arm_result(run, {"arm": args.arm})
         return
@@ -480,7 +635,8 @@ def main() -> None:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    results = run_all(arms, args.frames, args.timeout)
+    ab = ("--rounds", str(args.rounds), *(("--pin",) if args.pin else ()))
+    results = run_all(arms, args.frames, args.timeout, ab)
     print(table(results))
     print(cold_table(results))
     if args.out:
