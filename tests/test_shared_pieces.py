@@ -4,6 +4,7 @@ RopeBlock), so the piecewise plan does not compile the same code twice."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any
@@ -60,13 +61,29 @@ def _count_compiles(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[in
     return pieces, whole
 
 
-def _stream(model: Any, ref: Any, frames: int) -> None:
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+def _applied(*, piecewise: bool, backend: str = "aot_eager", device: str = "cpu"
+             ) -> tuple[Any, Any, Any]:
+    """(the tiny SDPA model with the manifest applied, an eager copy of it, the handle)."""
+    torch.manual_seed(0)
+    model = tiny_sdpa().to(device).eval()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, _manifest(model, piecewise=piecewise, backend=backend))
+    return model, ref, handle
+
+
+def _stream(model: Any, ref: Any, frames: int, *, inference: bool = False, **tol: float) -> None:
+    """``frames`` frames through both models, outputs compared: under no_grad with bf16
+    autocast, or (``inference``) under inference_mode in the model's own dtype."""
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    cast = contextlib.nullcontext() if inference else torch.autocast("cpu", dtype=torch.bfloat16)
+    with mode, cast:
         for s in range(frames):
             x = model.example_input(seed=s)
             got, want = model(x), ref(x)
             for k in want:
-                torch.testing.assert_close(got[k], want[k])
+                torch.testing.assert_close(got[k], want[k], **tol)
 
 
 def test_frame_blocks_are_built_from_the_global_blocks_pieces(
@@ -75,12 +92,7 @@ def test_frame_blocks_are_built_from_the_global_blocks_pieces(
     compiles its two pieces (before and after attention) and the global blocks compile none;
     a patch-embed block (another class) still compiles whole. Outputs match eager."""
     pieces, whole = _count_compiles(monkeypatch)
-    torch.manual_seed(0)
-    model = tiny_sdpa().eval()
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, _manifest(model, piecewise=True))
+    model, ref, handle = _applied(piecewise=True)
     _stream(model, ref, 6)
     frame, glob = handle.report.by_path(FRAME[0]), handle.report.by_path(GLOBAL[0])
     assert frame.status == glob.status == "compiled", (frame.reason, glob.reason)
@@ -97,12 +109,7 @@ def test_without_a_piecewise_region_the_frame_block_compiles_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A names plan (no piecewise region): nothing is split, nothing changes."""
     pieces, whole = _count_compiles(monkeypatch)
-    torch.manual_seed(0)
-    model = tiny_sdpa().eval()
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, _manifest(model, piecewise=False))
+    model, ref, handle = _applied(piecewise=False)
     _stream(model, ref, 2)
     assert pieces == [] and len(whole) == 2  # the patch-embed block and the frame block
     assert handle.report.by_path(FRAME[0]).pieces_compiled == 0
@@ -130,18 +137,8 @@ def _replayed_from_the_second_call(handle: Any) -> None:
 @pytest.mark.usefixtures("fake_cuda")
 def test_shared_frame_block_keeps_replaying_once_the_global_blocks_capture() -> None:
     """The cuda test below, on the CPU with the stand-in capturer."""
-    torch.manual_seed(0)
-    model = tiny_sdpa().eval()
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, _manifest(model, piecewise=True))
-    with torch.inference_mode():
-        for s in range(8):
-            x = model.example_input(seed=s)
-            got, want = model(x), ref(x)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k])
+    model, ref, handle = _applied(piecewise=True)
+    _stream(model, ref, 8, inference=True)
     _replayed_from_the_second_call(handle)
 
 
@@ -150,16 +147,8 @@ def test_shared_frame_block_keeps_replaying_once_the_global_blocks_capture() -> 
 def test_shared_frame_block_is_captured_whole_and_replays_on_cuda(backend: str) -> None:
     """On CUDA the frame block's region graph captures the whole call (both pieces and the
     attention between them), from its second call on, outputs within tolerance."""
-    torch.manual_seed(0)
-    model = tiny_sdpa().cuda().eval()
-    ref = copy.deepcopy(model)
-    handle = apply_manifest(model, _manifest(model, piecewise=True, backend=backend))
-    with torch.inference_mode():
-        for s in range(8):
-            x = model.example_input(seed=s)
-            got, want = model(x), ref(x)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+    model, ref, handle = _applied(piecewise=True, backend=backend, device="cuda")
+    _stream(model, ref, 8, inference=True, rtol=1e-4, atol=1e-4)
     _replayed_from_the_second_call(handle)
     assert handle.report.by_path(FRAME[0]).pieces_compiled == 2
     assert handle.report.by_path(GLOBAL[0]).pieces_compiled == 0
