@@ -7,40 +7,26 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
 
 import pytest
 import torch
 from torch import fx, nn
 
-from surgery.planning.plan import plan_module
 from surgery.runtime.apply import apply_manifest
-from surgery.runtime.compile_options import plan_region
 from surgery.runtime.piece_replay import StaticPiece, inline_between
-from surgery.runtime.piecewise import install_piecewise
 from surgery.runtime.report import RegionRecord
-from tests.test_graphs import FakeCapturer
-from tests.test_piecewise_stack import ON_CPU, generate, same_as_eager, stack_plan, tiny_gpt2
+from tests.test_piecewise_stack import (
+    generate,
+    installed_stack,
+    same_as_eager,
+    stack_plan,
+    tiny_gpt2,
+)
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 MOVED = "a piece's parameters or buffers moved"
-
-
-def installed_stack(layers: int = 2) -> tuple[nn.Module, nn.Module, Any, RegionRecord]:
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=100, n_positions=128,
-        bos_token_id=None, eos_token_id=None)).eval()
-    ref = copy.deepcopy(model)
-    m = plan_module(model, source="test", piecewise=True).manifest
-    (region,) = [r for r in m.regions if r.paths == ["transformer"]]
-    m.compile.update(ON_CPU)
-    plan = plan_region(m, region, overrides=None, on_cuda=False)
-    rec = RegionRecord("transformer", "piecewise", "forward", "pending")
-    slot = install_piecewise(model.transformer, "forward", rec, region, plan, {}, FakeCapturer())
-    return model, ref, slot, rec
 
 
 IDS = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(4))

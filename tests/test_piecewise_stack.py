@@ -31,12 +31,26 @@ ON_CPU = {"backend": "aot_eager", "on_cpu": "compile"}
 NEW = 64
 
 
-def tiny_gpt2() -> nn.Module:
+def tiny_gpt2(layers: int = 2) -> nn.Module:
     """A --model factory: GPT-2 at test size, random weights, no EOS (every run is NEW long)."""
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=100,
                                   n_positions=128, bos_token_id=None, eos_token_id=None)
     return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def installed_stack(layers: int = 2) -> tuple[nn.Module, nn.Module, Any, RegionRecord]:
+    """(tiny GPT-2 with its planned stack region installed under a stand-in capturer, an eager
+    copy, the slot, the record)."""
+    model = tiny_gpt2(layers)
+    ref = copy.deepcopy(model)
+    m = plan_module(model, source="test", piecewise=True).manifest
+    (region,) = [r for r in m.regions if r.paths == ["transformer"]]
+    m.compile.update(ON_CPU)
+    plan = plan_region(m, region, overrides=None, on_cuda=False)
+    rec = RegionRecord("transformer", "piecewise", "forward", "pending")
+    slot = install_piecewise(model.transformer, "forward", rec, region, plan, {}, FakeCapturer())
+    return model, ref, slot, rec
 
 
 def tiny_llama() -> nn.Module:
@@ -281,17 +295,8 @@ def test_stack_pieces_of_one_code_keep_a_set_of_graphs_per_block() -> None:
     """The stack's middle pieces are one FX code with each block's weights (compiled once,
     runtime.piece_cache): driven by a stand-in capturer, each block's piece keeps its own region
     graphs (captured once, then replayed every token), never dropped as "moved" parameters."""
-    torch.manual_seed(0)  # 3 blocks: the middle one's pieces are the same code as the first's
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=2, vocab_size=100, n_positions=128, bos_token_id=None,
-        eos_token_id=None)).eval()
-    ref = copy.deepcopy(model)
-    m = plan_module(model, source="test", piecewise=True).manifest
-    (region,) = [r for r in m.regions if r.paths == ["transformer"]]
-    m.compile.update(ON_CPU)
-    plan = plan_region(m, region, overrides=None, on_cuda=False)
-    rec = RegionRecord("transformer", "piecewise", "forward", "pending")
-    slot = install_piecewise(model.transformer, "forward", rec, region, plan, {}, FakeCapturer())
+    # 3 blocks: the middle one's pieces are the same code as the first's
+    model, ref, slot, rec = installed_stack(3)
     ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         want = generate(ref, ids, 12)
