@@ -18,6 +18,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -515,11 +516,10 @@ def test_warm_bad_step_names_the_flag(site) -> None:
 
 # --- CUDA: a warm start captures its graphs on the first pass and replays -----------------------
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
-    missing = precompiled.api_missing()
-    if missing:
+def _cuda_cold() -> tuple[Any, Any, Any, Any]:
+    """The premod net on CUDA (in the `site` folder), applied cold with 3 warm-up passes:
+    (the module, its input on CUDA, the step, the handle). Skips without torch's precompile."""
+    if missing := precompiled.api_missing():
         pytest.skip(missing)
     mod = _premod()
     x = mod.X.cuda()
@@ -531,6 +531,13 @@ def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
     model = mod.build().cuda().eval()
     with torch.no_grad():
         handle = apply_manifest(model, "net.surgery.toml", warmup=step, passes=3)
+    return mod, x, step, handle
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_warm_start_captures_on_the_first_pass_and_replays(site) -> None:
+    mod, x, step, handle = _cuda_cold()
     assert all(r.graphs_captured >= 1 for r in handle.report.records)
     handle.save_cache()
     handle.restore()
@@ -582,18 +589,7 @@ def test_cuda_fresh_process_loads_without_a_compile_pool_with_keys_hashed_beside
     """A fresh CUDA process (empty inductor and Triton caches) warm-starts from the bundle with
     torch's and triton's keys hashed in surgery's thread (runtime.warm_loader), no compile pool
     started for the artifact's kernels, nothing traced, graphs replayed, outputs as eager."""
-    if missing := precompiled.api_missing():
-        pytest.skip(missing)
-    mod = _premod()
-    x = mod.X.cuda()
-
-    def step(m):  # type: ignore[no-untyped-def]
-        with torch.no_grad():
-            return m(x)
-
-    model = mod.build().cuda().eval()
-    with torch.no_grad():
-        handle = apply_manifest(model, "net.surgery.toml", warmup=step, passes=3)
+    _, _, _, handle = _cuda_cold()
     assert handle.save_cache().metadata[bundle_parts.PRECOMPILED_KEY]["entries"]
     handle.restore()
     (site / "deploy_cuda.py").write_text(CUDA_DEPLOY_SRC)
