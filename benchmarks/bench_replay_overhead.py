@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import timeit
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,8 @@ class NullCapturer:
     device = -1
 
     def __init__(self) -> None:
-        self.owned: dict[int, Any] = {}
+        # Held weakly, as CudaCapturer holds them: a dropped model frees its output sets.
+        self.owned: Any = weakref.WeakValueDictionary()
 
     def capture(self, work: Callable[[], None]) -> NullGraph:
         work()

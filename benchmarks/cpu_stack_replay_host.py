@@ -32,30 +32,12 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-
-class NullGraph:
-    def replay(self) -> None:
-        pass
-
-
-class NullCapturer:
-    """Runs the capture's work once (so the owned outputs are filled); a replay does nothing."""
-
-    device = -1
-
-    def __init__(self) -> None:
-        import weakref
-        self.owned: Any = weakref.WeakValueDictionary()
-
-    def capture(self, work: Callable[[], None]) -> NullGraph:
-        work()
-        return NullGraph()
+from bench_replay_overhead import NullCapturer  # noqa: E402 (a stand-in whose replay is free)
 
 
 def surgery_self_us(prof: cProfile.Profile) -> float:
