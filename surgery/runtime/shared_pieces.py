@@ -45,6 +45,12 @@ from surgery.runtime.piece_cache import PieceCache
 from surgery.runtime.piecewise_split import PiecewiseGraph, op_name
 
 
+def _record_counter(name: str, kind: Callable[[Any], Any]) -> Any:
+    """A property that reads ``self.record.<name>`` (as ``kind``) and writes it."""
+    return property(lambda self: kind(getattr(self.record, name)),
+                    lambda self, value: setattr(self.record, name, value))
+
+
 class RecordPieces:
     """What StaticPiece counts for a path (surgery.runtime.piecewise_split), kept on an ordinary
     region's record. Its pieces have no region graphs of their own (``capturer`` is None): the
@@ -56,29 +62,10 @@ class RecordPieces:
         self.record = record
         self.piece_runs = 0
 
-    @property
-    def compiled(self) -> int:
-        return int(self.record.pieces_compiled)
-
-    @compiled.setter
-    def compiled(self, n: int) -> None:
-        self.record.pieces_compiled = n
-
-    @property
-    def shared(self) -> int:
-        return int(self.record.pieces_shared)
-
-    @shared.setter
-    def shared(self, n: int) -> None:
-        self.record.pieces_shared = n
-
-    @property
-    def compile_s(self) -> float:
-        return float(self.record.piece_compile_s)
-
-    @compile_s.setter
-    def compile_s(self, s: float) -> None:
-        self.record.piece_compile_s = s
+    # The counters piece_cache keeps, read and written on the region's record.
+    compiled = _record_counter("pieces_compiled", int)
+    shared = _record_counter("pieces_shared", int)
+    compile_s = _record_counter("piece_compile_s", float)
 
 
 class SharedPieces:
