@@ -37,10 +37,26 @@ default stream they are captured on a side stream whose workspace (33 MiB on an 
 alone (surgery.runtime.graphs.capture). Each arm's overhead is over eager's peak on the same
 stream; "vs before issue 20" compares with the nothing-shared variant on the default stream.
 
+Routes (``--routes on,off``; default ``on``). On the default stream ``apply_manifest`` routes each
+call of the model, whole, onto surgery's side stream (surgery.runtime.stream_route), so the model
+and its graphs use that stream's one cuBLAS workspace; ``off`` adds, on the default stream only,
+the same variant with ``route_default_stream=False`` (graphs captured on the side stream, the
+model on the default one: the code before the route), as ``surgery:VARIANT:unrouted``.
+
+How the peaks are taken, since eager and surgery share a process: cuBLAS keeps a workspace per
+stream for the life of the process, so the eager arm's one on the default stream would stay in
+every later arm's peak. Before each surgery arm, with no graph alive, the process frees every
+cuBLAS workspace (``torch._C._cuda_clearCublasWorkspaces``, what torch's cudagraph trees and test
+harness call), so each arm's peak holds the workspaces its own calls make; ``ws_freed_mib`` says
+what was freed. After each surgery arm a probe matmul on the default stream says whether the
+arm made a workspace there (``default_ws``: "made" when the probe made none).
+
     python benchmarks/gpu_memory.py --all --models sdpa --variants outputs   # H200: about 3 min
     python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert --whole-timeout 0 \
         --streams default,user --variants before,outputs
     python benchmarks/gpu_memory.py --all --models gpt2 --variants before,outputs
+    python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert --whole-timeout 0 \
+        --streams default --variants outputs --routes on,off   # the route against none
     python benchmarks/gpu_memory.py --model sdpa --variants all      # one model, this process
     python benchmarks/gpu_memory.py --all --tiny                     # CPU smoke run (peaks 0)
 """
@@ -63,6 +79,7 @@ from _arms import child_result, fresh_cache_env, latency, print_arm_result  # no
 
 MODELS = ("sdpa", "gpt2", "timm_vit", "hf_bert")
 STREAMS = ("default", "user")
+ROUTES = ("on", "off")
 VARIANTS = {"before": (False, False), "outputs": (True, False), "all": (True, True)}
 TINY = os.environ.get("GPU_MEMORY_SIZE") == "tiny"
 WARM, TIMED = (2, 3) if TINY else (20, 24)
@@ -197,13 +214,48 @@ def on_stream(stream: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def run_model(name: str, variants: list[str], stream: str = "default") -> dict[str, Any]:
+def run_model(name: str, variants: list[str], stream: str = "default",
+              routes: tuple[str, ...] = ("on",)) -> dict[str, Any]:
     """Eager, then each surgery variant, in this process, on the same model and stream."""
     with on_stream(stream):
-        return {**_run_model(name, variants), "stream": stream}
+        arms = [(v, r) for v in variants for r in routes if r == "on" or stream == "default"]
+        return {**_run_model(name, arms), "stream": stream}
 
 
-def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
+def free_workspaces(cuda: bool) -> float | None:
+    """Free every cuBLAS workspace when no region graph is alive (graphs keep using theirs);
+    the MiB freed, or None when not freed."""
+    import torch
+
+    from surgery.runtime import apply as apply_mod
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if not cuda or clear is None or any(getattr(c, "live", 0) for c in
+                                        apply_mod._CAPTURERS.values()):
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    clear()
+    return round((before - torch.cuda.memory_allocated()) / 2**20, 1)
+
+
+def default_workspace_made(cuda: bool) -> str:
+    """Whether the default stream had a cuBLAS workspace: a first matmul there makes one."""
+    import torch
+
+    if not cuda:
+        return ""
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        a = torch.ones(64, 64, device="cuda")
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        b = a @ a
+        torch.cuda.synchronize()
+        grew = torch.cuda.memory_allocated() - before - b.nbytes
+    return "none" if grew > 2**20 else "made"
+
+
+def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
     import torch
 
     from surgery import apply_manifest
@@ -225,11 +277,13 @@ def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
     out["plan_s"] = round(time.perf_counter() - t, 2)
     out["paths"] = sum(len(r.paths) for r in manifest.regions)
     overrides = None if cuda else {"on_cpu": "compile", "backend": "aot_eager"}
-    for v in variants:
+    for v, route in arms:
         arena.POLICY.share_outputs, arena.POLICY.share_inputs = VARIANTS[v]
+        freed = free_workspaces(cuda)  # each arm's peak holds the workspaces it makes
         _reset_peaks(cuda)
         t = time.perf_counter()
-        handle = apply_manifest(w.model, manifest, warmup=w.warm, passes=3, overrides=overrides)
+        handle = apply_manifest(w.model, manifest, warmup=w.warm, passes=3, overrides=overrides,
+                                route_default_stream=route == "on")
         cold = time.perf_counter() - t
         compile_peak = _peaks(cuda)["peak_gib"]
         w.run(w.model, steps=2)  # the steady state: rings grown, every signature captured
@@ -237,7 +291,9 @@ def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
         times = w.run(w.model)
         mem = handle.report.memory
         counts = handle.report.counts()
-        res = {"arm": f"surgery:{v}", **_speed(times), **_peaks(cuda),
+        res = {"arm": f"surgery:{v}" + ("" if route == "on" else ":unrouted"),
+               **_speed(times), **_peaks(cuda), "ws_freed_mib": freed,
+               "routed_calls": handle.route.calls if handle.route is not None else 0,
                "compile_peak_gib": compile_peak, "cold_s": round(cold, 1),
                "regions": f"{counts['compiled']}/{len(handle.report)}",
                "graphs_gib": round(mem.total / GIB, 4), "outputs_gib": round(mem.outputs / GIB, 4),
@@ -245,6 +301,7 @@ def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
                "pool_gib": round(mem.pool / GIB, 4),
                "capture_stream_gib": round(mem.capture_stream / GIB, 4),
                "captures_side_caller": [mem.side_captures, mem.caller_captures],
+               "captures_routed": mem.routed_captures,
                "memory_line": mem.line(),
                "output_sets": sum(p.output_sets for p in mem.paths),
                "largest_paths": [[p.path, round((p.outputs + p.static_inputs) / 2**20, 1)]
@@ -252,6 +309,7 @@ def _run_model(name: str, variants: list[str]) -> dict[str, Any]:
                                                                            p.static_inputs))[:3]]}
         handle.restore()
         del handle, mem
+        res["default_ws"] = default_workspace_made(cuda)  # after the peaks were read
         out["arms"].append(res)
         print(json.dumps(res), file=sys.stderr, flush=True)
     return out
@@ -326,7 +384,8 @@ def _run_whole(name: str) -> dict[str, Any]:
 
 
 def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout: int,
-            streams: tuple[str, ...] = ("default",)) -> list[dict[str, Any]]:
+            streams: tuple[str, ...] = ("default",), routes: tuple[str, ...] = ("on",)
+            ) -> list[dict[str, Any]]:
     """Each model on each stream: its eager and surgery arms in one fresh process, then the
     whole-model arm in another."""
     results = []
@@ -335,8 +394,9 @@ def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout:
             tag = f"{name}_{stream}"
             ident = {"model": name, "stream": stream}
             res = child_result([__file__, "--model", name, "--variants", ",".join(variants),
-                                "--stream", stream], env=fresh_cache_env(f"gpu_memory_{tag}"),
-                               timeout=timeout, ident=ident)
+                                "--stream", stream, "--routes", ",".join(routes)],
+                               env=fresh_cache_env(f"gpu_memory_{tag}"), timeout=timeout,
+                               ident=ident)
             arms = res.pop("arms", [])
             if whole_timeout > 0:
                 whole = child_result([__file__, "--model", name, "--whole", "--stream", stream],
@@ -374,8 +434,8 @@ def _arm(results: list[dict[str, Any]], model: str, stream: str, arm: str) -> di
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| model | stream | arm | ms (median) | p90 | vs eager | peak GiB (steady) "
             "| over eager's peak | overhead vs before issue 20 | reserved GiB | region graphs hold "
-            "(MiB): outputs / static inputs / pool / capture stream | captures side / caller "
-            "| cold s |",
+            "(MiB): outputs / static inputs / pool / capture stream | captures side / caller / "
+            "routed (default stream's workspace) | cold s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         name, stream = r["model"], r.get("stream", "default")
@@ -384,8 +444,11 @@ def table(results: list[dict[str, Any]]) -> str:
             continue
         eager = _arm(results, name, stream, "eager")
         # Before issue 20: nothing shared, on the default stream (else on this stream).
-        was = "default" if _arm(results, name, "default", "surgery:before") else stream
-        before = _arm(results, name, was, "surgery:before")
+        # Unrouted when that arm ran: the code before issue 20 had no stream route.
+        old = next((n for n in ("surgery:before:unrouted", "surgery:before")
+                    if _arm(results, name, "default", n)), None)
+        was = "default" if old else stream
+        before = _arm(results, name, was, old or "surgery:before")
         then = _overhead_mib(before, _arm(results, name, was, "eager"))
         for a in r["arms"]:
             if "error" in a:
@@ -403,9 +466,12 @@ def table(results: list[dict[str, Any]]) -> str:
                     f"{a['static_inputs_gib'] * mib:.1f} / {a['pool_gib'] * mib:.1f} / "
                     f"{a.get('capture_stream_gib', 0.0) * mib:.1f}"
                     if "graphs_gib" in a else "")
-            caps = " / ".join(map(str, a.get("captures_side_caller", [])))
-            if a.get("captures_side_caller") == [0, 0]:  # an empty result is not a figure
+            counts = [*a.get("captures_side_caller", []), a.get("captures_routed", 0)]
+            caps = " / ".join(map(str, counts)) if "captures_side_caller" in a else ""
+            if caps and not any(counts):  # an empty result is not a figure
                 caps = "**none captured**" + (" (no CUDA)" if r.get("gpu") == "cpu" else "")
+            if a.get("default_ws"):
+                caps += f" ({a['default_ws']})"
             rows.append(f"| {name} | {stream} | {a['arm']} | {a['median_ms']:.2f} "
                         f"| {a['p90_ms']:.2f} | {speed} | {a['peak_gib']:.3f} | {peak} | {vs} "
                         f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')}"
@@ -434,6 +500,9 @@ def main() -> None:
                          "its own")
     ap.add_argument("--streams", default="default",
                     help="for --all: comma-separated streams (default,user), each model on each")
+    ap.add_argument("--routes", default="on",
+                    help="comma-separated of on,off: surgery with the stream route, and (on the "
+                         "default stream) without it")
     ap.add_argument("--whole", action="store_true", help="with --model: the whole-model arm")
     ap.add_argument("--whole-timeout", type=int, default=150,
                     help="seconds for each whole-model arm (0: skip it)")
@@ -446,17 +515,18 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
     variants = _names(args.variants, tuple(VARIANTS), "variant", ap)
     streams = tuple(_names(args.streams, STREAMS, "stream", ap))
+    routes = tuple(_names(args.routes, ROUTES, "route", ap))
     if args.model and not args.all:
         ident = {"model": args.model, "stream": args.stream}
         if args.whole:
             print_arm_result(lambda: run_whole(args.model, args.stream), {**ident, "arm": "whole"})
         else:
-            print_arm_result(lambda: run_model(args.model, variants, args.stream), ident)
+            print_arm_result(lambda: run_model(args.model, variants, args.stream, routes), ident)
         return
     if not args.all:
         ap.error("give --all, or --model")
     models = _names(args.models, MODELS, "model", ap) if args.models else list(MODELS)
-    results = run_all(models, variants, args.timeout, args.whole_timeout, streams)
+    results = run_all(models, variants, args.timeout, args.whole_timeout, streams, routes)
     print(table(results))
     for r in results:
         for a in r.get("arms", []):

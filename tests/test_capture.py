@@ -37,6 +37,11 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.log.append(("wait", self.cuda_stream, other.cuda_stream))
 
+    def wait_event(self, event: Any) -> None:
+        """A wait on an event (the stream route's): logged as a wait on the stream it was last
+        recorded on, the same entry as ``wait_stream``."""
+        self.log.append(("wait", self.cuda_stream, event.at))
+
 
 class FakeCuda:
     """torch.cuda as CudaCapturer.capture uses it. Stream 0 is the default stream."""

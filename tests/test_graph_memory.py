@@ -285,16 +285,23 @@ def _region_plan() -> object:
 
 
 @pytest.mark.cuda
-def test_cuda_the_report_matches_the_buffers_and_reads_the_pool() -> None:
+def test_cuda_the_report_matches_the_buffers_and_reads_the_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU: the report's bytes are the graphs' buffers, the pool's size comes from the
     allocator, frame blocks share output sets (no ring), attn_pre keeps its KV-cache ring."""
+    from surgery.runtime import apply as apply_mod
+
+    # A capturer of its own: a side stream that earlier tests' routed calls made no workspace on.
+    monkeypatch.setattr(apply_mod, "_CAPTURERS", {})
     torch.manual_seed(0)
     model = examples.tiny().cuda().eval()
     frames = [model.example_input(seed=i) for i in range(8)]
     with torch.no_grad():
         ref = _cuda_stream(model, frames)
-        with apply_manifest(model, _region_plan(), warmup=lambda m: _cuda_stream(m, frames[:2])
-                            ) as handle:
+        # Unrouted (surgery.runtime.stream_route), so that the captures run on the side stream
+        # for a caller on the default stream and its workspace is the graphs' own.
+        with apply_manifest(model, _region_plan(), warmup=lambda m: _cuda_stream(m, frames[:2]),
+                            route_default_stream=False) as handle:
             outs = _cuda_stream(model, frames)
             mem = handle.report.memory
             graphs = [g for s in handle._slots for g in [s.graphs] if g is not None]
@@ -302,6 +309,7 @@ def test_cuda_the_report_matches_the_buffers_and_reads_the_pool() -> None:
             assert mem.pool_reserved is not None and mem.pool_reserved > 0, mem.line()
             # The capture stream's cuBLAS workspace (the linears' matmuls), kept for good.
             assert mem.capture_stream > 0 and mem.total > mem.pool + mem.outputs, mem.line()
+            assert mem.side_captures > 0 and mem.routed_captures == 0, mem.line()
             frame = mem.by_path("aggregator.frame_blocks.1")
             assert frame.output_sets == 1 and frame.shared >= 1, mem  # no ring, no set of its own
             pre = handle.report.by_path("aggregator.global_blocks.0.attn_pre")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery.errors import CacheBundleError, RegionError
+from surgery.errors import CacheBundleError
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, Region, save_manifest
 from surgery.runtime.budget import parameter_names
 from surgery.runtime.bundle import default_bundle_path
@@ -62,10 +62,12 @@ from surgery.runtime.resolve import (
     check_fingerprint,
     resolve_manifest,
     resolve_path,
+    resolve_regions,
 )
 from surgery.runtime.shared_pieces import Sharing, piece_sharing
 from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
+from surgery.runtime.stream_route import StreamRoute, install_route
 from surgery.runtime.warm_loader import KeyPrefetch, mark_step
 
 __all__ = [
@@ -88,6 +90,7 @@ class ApplyHandle:
         self._device = "cpu"
         self.groups: list[_Group] = []  # compiled callables, shared by paths (save_cache
         self.precompiled: Loaded | None = None  # precompiles them); a bundle's artifacts
+        self.route: StreamRoute | None = None  # default-stream calls onto the side stream
 
     def save_cache(self, path: str | os.PathLike[str] | None = None, *, force: bool = True,
                    key: bytes | None = None, precompile: bool = True) -> SavedBundle:
@@ -127,6 +130,8 @@ class ApplyHandle:
         """Put back exactly the original callables (and the MHA fastpath). Idempotent."""
         if self.restored:
             return
+        if self.route is not None:  # installed last, over any region on the root's forward
+            self.route.remove()
         for slot in reversed(self._slots):
             d = slot.module.__dict__
             if slot.had_own:
@@ -175,6 +180,7 @@ def apply_manifest(
     passes: int | None = None,
     cache: str | os.PathLike[str] | bool | None = None,
     max_graph_memory: int | str | None = None,
+    route_default_stream: bool = True,
 ) -> ApplyHandle:
     """Compile the manifest's regions of ``model`` in place, warm them up, and report.
 
@@ -200,7 +206,8 @@ def apply_manifest(
 
     ``max_graph_memory`` (bytes, or ``"2GiB"``) caps what region graphs hold on the device;
     past it, paths run compiled without a graph (surgery.runtime.graph_memory).
-    ``report.memory`` says what they hold, per path and in total.
+    ``report.memory`` says what they hold, per path and in total. With ``route_default_stream``,
+    calls on the default stream run on the graphs' side stream (surgery.runtime.stream_route).
     """
     dev = _device_of(model, model)  # on CUDA, one-time keys are hashed beside what follows:
     keys = KeyPrefetch.start(dev.type) if cache is not None and cache is not False else None
@@ -221,24 +228,7 @@ def apply_manifest(
     groups: dict[tuple[Any, ...], _Group] = {}
     piecewise_groups: dict[Any, PiecewiseGroup] = {}
 
-    resolved: list[tuple[Region, str, nn.Module, str]] = []
-    problems: list[RegionError] = []
-    for region in m.regions:
-        for path in region.paths:
-            try:
-                mod, name = resolve_path(model, path, callable=region.callable)
-            except RegionError as e:
-                if region.required:
-                    problems.append(e)
-                else:
-                    records.append(RegionRecord(path, region.kind, region.callable, "skipped",
-                                                f"optional and not found: {e.message}"))
-                continue
-            resolved.append((region, path, mod, name))
-    if problems:
-        first = problems[0]
-        more = "".join(f"\n  {p.message}" for p in problems[1:])
-        raise RegionError(first.message + more, region=first.region, hint=first.hint)
+    resolved = resolve_regions(model, m, records)  # every path, or one error naming all
     _check_nesting(resolved)
 
     cuda_graph_regions = False
@@ -288,6 +278,8 @@ def apply_manifest(
         if clone_risk:
             warnings.warn(f"surgery: {len(clone_risk)} region path(s) (e.g. {clone_risk[0]}) "
                           f"were {CLONE_RISK}", SurgeryWarning, stacklevel=2)
+        handle.route = install_route(model, handle._slots, enabled=route_default_stream,
+                                     notes=report.notes)
         hits_before = cache_counters()
         _warm_up(handle, m, warmup, passes)
         report.cache = report.cache or CacheRecord()

@@ -8,6 +8,8 @@ it, and what the capture stream keeps allocated (cuBLAS's workspace for that str
 by default on Hopper: 33 of GPT-2's 35 MiB over eager's peak on the H200). That is paid only
 when the caller runs on the default stream, which cannot be captured on, so surgery captures on
 a side stream of its own; the line then says how to avoid it (surgery.runtime.graphs.capture).
+A call of the model itself on the default stream is routed onto that side stream, whole
+(surgery.runtime.stream_route): its captures are counted as routed, and the line says so.
 ``summary()`` and ``print(handle.report)`` give it as one line.
 
 How it counts. Buffers are shared between paths (surgery.runtime.graphs.arena), so each storage
@@ -128,7 +130,8 @@ def collect_memory(slots: Sequence[Any]) -> GraphMemory:
 
     return GraphMemory(paths, pool, limit, over, demoted, total("stream_bytes"),
                        side_stream=total("side_bytes"), side_captures=total("side_captures"),
-                       caller_captures=total("caller_captures"))
+                       caller_captures=total("caller_captures"),
+                       routed_captures=total("routed_captures"))
 
 
 # Before pytorch#128068 (first released in torch 2.5) the caching allocator could not checkpoint

@@ -338,6 +338,9 @@ class GraphMemory:
     side_stream: int = 0
     side_captures: int = 0
     caller_captures: int = 0
+    # Captures on the side stream inside a routed call (surgery.runtime.stream_route): the whole
+    # call ran there, so its workspace is the model's one, not the graphs' own.
+    routed_captures: int = 0
 
     @property
     def outputs(self) -> int:
@@ -378,10 +381,16 @@ class GraphMemory:
         return text + self.stream_hint()
 
     def stream_hint(self) -> str:
-        """How to avoid the side stream's workspace, when the graphs paid for one ("" if not)."""
+        """Where the graphs captured, and how to avoid the side stream's workspace when they
+        paid for one ("" when every capture was on the caller's own stream)."""
+        routed = (f"; {self.routed_captures} capture(s) on surgery's side stream, which the "
+                  "whole call ran on (called on the default stream: routed), so the model and its "
+                  "graphs share one cuBLAS workspace" if self.routed_captures else "")
         if not self.side_stream:
-            return ""
-        return (f"; the capture stream's {self.side_stream / 2**20:.1f} MiB is cuBLAS's workspace "
-                "for surgery's side stream, used because the model ran on the default stream: "
-                "run it under `with torch.cuda.stream(torch.cuda.Stream()):` and graphs capture "
-                "on that stream, sharing eager's workspace")
+            return routed
+        return routed + (
+            f"; the capture stream's {self.side_stream / 2**20:.1f} MiB is cuBLAS's workspace "
+            "for surgery's side stream, used because the model ran on the default stream outside "
+            "the route (a submodule or method called directly, or route_default_stream=False): "
+            "call the model itself, or run it under `with torch.cuda.stream(torch.cuda.Stream()):`"
+            " and graphs capture on that stream, sharing eager's workspace")

@@ -26,7 +26,7 @@ from surgery.formats.manifest import Manifest, Region, load_manifest
 from surgery.formats.ties import binding_variants, declared_ties, live_ties, ties_note
 from surgery.runtime.distributed import wrapped_child, wrapper_child
 from surgery.runtime.piecewise_stack import check_fallbacks, standby_nesting
-from surgery.runtime.report import SurgeryWarning
+from surgery.runtime.report import RegionRecord, SurgeryWarning
 
 ENV_MANIFEST = "SURGERY_MANIFEST"
 ManifestSource = Manifest | str | os.PathLike[str] | None
@@ -237,6 +237,32 @@ def _methods(mod: nn.Module) -> list[str]:
         names.update(n for n, v in vars(klass).items()
                      if not n.startswith("_") and inspect.isfunction(v))
     return sorted(names)
+
+
+def resolve_regions(model: nn.Module, manifest: Manifest, records: list[Any]
+                    ) -> list[tuple[Region, str, nn.Module, str]]:
+    """``(region, path, module, name)`` of every region path of the manifest. An optional path
+    that does not resolve gets a ``skipped`` record in ``records``; required ones that do not
+    are raised together, in one RegionError."""
+    resolved: list[tuple[Region, str, nn.Module, str]] = []
+    problems: list[RegionError] = []
+    for region in manifest.regions:
+        for path in region.paths:
+            try:
+                mod, name = resolve_path(model, path, callable=region.callable)
+            except RegionError as e:
+                if region.required:
+                    problems.append(e)
+                else:
+                    records.append(RegionRecord(path, region.kind, region.callable, "skipped",
+                                                f"optional and not found: {e.message}"))
+                continue
+            resolved.append((region, path, mod, name))
+    if problems:
+        first = problems[0]
+        more = "".join(f"\n  {p.message}" for p in problems[1:])
+        raise RegionError(first.message + more, region=first.region, hint=first.hint)
+    return resolved
 
 
 def _check_nesting(resolved: list[tuple[Region, str, nn.Module, str]]) -> None:

@@ -18,6 +18,10 @@ it was captured on. So:
 - **On a side stream** of surgery's when the caller runs on the default stream, as before: that
   stream's workspace (33 MiB on an H200) and cache are surgery's cost, in ``stream_bytes`` and
   the report, whose line says how to avoid it.
+- **On the side stream, routed**: ``apply_manifest`` routes a model called on the default stream
+  onto that same side stream for the whole call (surgery.runtime.stream_route), so the capture
+  finds it current and captures there as on a caller's stream (``routed_captures``); the model's
+  eager parts made its workspace, which is then the model's one, not a second.
 
 Either way the work queued before, the warm-up run, the capture, and what runs after it (the
 WriteProbe's byte comparison, the next region) keep one order: on the caller's stream by being
@@ -36,8 +40,11 @@ on another stream B uses A's workspace, which eager work on A uses too; so such 
 for A's work before it, and A waits for the replay after it (``cross_stream_replays`` counts
 them). Graphs captured on different streams do not share temporaries (the caching allocator
 keeps a pool's blocks per stream), so a model run on several streams holds a pool share for each.
-A graph captured on the side stream replays anywhere without waits: only graphs use that
-stream's workspace, and two region graphs never run at once (replay.py).
+A graph captured on the side stream for a caller on the default stream replays anywhere without
+waits: only graphs, and routed calls, use that stream's workspace; two region graphs never run at
+once (replay.py), and a routed call waits for the default stream and makes it wait in turn. A
+graph captured in a routed call is a caller's-stream graph of the side stream: ordered when
+replayed elsewhere.
 
 WriteProbe: which inputs a call wrote in place, for normal tensors and for inference tensors alike.
 
@@ -128,6 +135,7 @@ class CudaCapturer:
         self.side_bytes = 0  # the part of stream_bytes kept on the side stream
         self.side_captures = 0  # captures on the side stream (the caller ran on the default)
         self.caller_captures = 0  # captures on the caller's own stream
+        self.routed_captures = 0  # on the side stream, current because the call was routed
         self.cross_stream_replays = 0  # replays on another stream than their capture's
         self.parked: list[torch.cuda.CUDAGraph] = []  # dropped while others live (see above)
         self._side_before = 0  # the side stream's bytes in the last pool (side_kept)
@@ -143,11 +151,19 @@ class CudaCapturer:
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
+    def side_stream(self) -> torch.cuda.Stream:
+        """Surgery's side stream on this device (made on first use): captures for callers on the
+        default stream, and the stream that routed calls run on (surgery.runtime.stream_route)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
     def capture(self, work: Callable[[], None]) -> Graph:
         if self.live == 0:  # a new pool: its accounting starts afresh (side_kept says why)
             self._pool = torch.cuda.graph_pool_handle()
             self._side_before, self.side_bytes = self.side_bytes, 0
             self.stream_bytes = self.side_captures = self.caller_captures = 0
+            self.routed_captures = 0
             if self.arena is not None:
                 self.arena.pool_bytes = 0
         with torch.cuda.device(self.device):
@@ -158,9 +174,7 @@ class CudaCapturer:
         if on_caller:
             stream = current  # work queued on it before runs first, in stream order
         else:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-            stream = self._stream
+            stream = self.side_stream()
             stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         reserved = torch.cuda.memory_reserved(self.device)
@@ -176,7 +190,13 @@ class CudaCapturer:
                     graph.capture_end()
                 raise
             graph.capture_end()
-        if on_caller:
+        if on_caller and self._stream is not None and \
+                current.cuda_stream == self._stream.cuda_stream:
+            # The route made the side stream current: a workspace this warm-up made is the
+            # model's one (eager's, unrouted), so it is not counted as the graphs'.
+            self.routed_captures += 1
+            kept = 0
+        elif on_caller:
             self.caller_captures += 1
         else:
             current.wait_stream(stream)
