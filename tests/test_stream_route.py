@@ -18,16 +18,23 @@ import torch
 from torch import nn
 
 from surgery.errors import SurgeryError
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region
 from surgery.runtime import apply as apply_mod
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.graphs.capture import CudaCapturer
 from surgery.runtime.report import GraphMemory
 from surgery.runtime.stream_route import ROUTE_ATTR, ROUTE_NOTE, install_route
-from tests.test_apply import manifest_for
 from tests.test_capture import WORKSPACE, FakeCuda, FakeStream, capturer
 from tests.test_graphs import FakeCapturer
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+def manifest_for(model: nn.Module, regions: list[Region], **compile_: object) -> Manifest:
+    # Not test_apply's: importing that module a second time registers its failing backend twice.
+    return Manifest(compute_fingerprint(model.state_dict()), regions,
+                    compile={**DEFAULT_COMPILE, **compile_})
+
 
 SIDE = 101  # the raw handle of the first stream FakeCuda makes: the capturer's side stream
 
@@ -289,8 +296,6 @@ class Net(nn.Module):
 
 def test_apply_manifest_routes_warm_up_and_calls_and_restore_removes_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from surgery.formats.manifest import Region
-
     cuda = routed_cuda(monkeypatch)
     cap = RoutedFake(cuda)
     monkeypatch.setattr(apply_mod, "_on_cuda", lambda module, model: True)
@@ -326,8 +331,6 @@ def test_apply_manifest_routes_warm_up_and_calls_and_restore_removes_it(
 
 
 def test_no_route_on_the_cpu() -> None:
-    from surgery.formats.manifest import Region
-
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     m = manifest_for(model, [Region("lin", ["0"])], backend="aot_eager", on_cpu="compile")
     with torch.no_grad(), apply_manifest(model, m, warmup=lambda mdl: mdl(torch.randn(2, 4)),
@@ -421,8 +424,6 @@ def test_cuda_gpt2_generate_on_the_default_stream_makes_no_default_workspace() -
 
 @pytest.mark.cuda
 def test_cuda_the_route_runs_the_model_on_the_side_stream_and_back() -> None:
-    from surgery.formats.manifest import Region
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).cuda().eval()
     seen: list[int] = []
