@@ -36,17 +36,20 @@ from surgery.runtime.graphs.capture import CudaCapturer
 from surgery.runtime.stream_route import install_route
 
 
-def per_call_us(call: Callable[[], Any], n: int, sync: Callable[[], None]) -> float:
-    """The median over 5 rounds of n calls, in microseconds a call."""
-    rounds = []
-    for _ in range(5):
-        sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            call()
-        sync()
-        rounds.append((time.perf_counter() - t) / n * 1e6)
-    return sorted(rounds)[2]
+def per_call_us(calls: dict[str, Callable[[], Any]], n: int, sync: Callable[[], None],
+                rounds: int = 7) -> dict[str, float]:
+    """Microseconds a call for each of ``calls``: the fastest of ``rounds`` rounds of n calls,
+    the arms taking turns within each round, so a loaded host slows them alike."""
+    best = {k: float("inf") for k in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                call()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - t) / n * 1e6)
+    return best
 
 
 class _Null:
@@ -89,12 +92,15 @@ def run_cpu(n: int) -> dict[str, float]:
         cap = CudaCapturer(0)
         cap.current_raw = lambda: state["current"].cuda_stream  # type: ignore[method-assign]
         install_route(routed, [types.SimpleNamespace(capturer=cap)], enabled=True, notes=[])
-        out["plain_us"] = per_call_us(lambda: plain(x), n, lambda: None)
-        out["routed_us"] = per_call_us(lambda: routed(x), n, lambda: None)
+        times = per_call_us({"plain": lambda: plain(x), "routed": lambda: routed(x)}, n,
+                            lambda: None)
+        out["plain_us"], out["routed_us"] = times["plain"], times["routed"]
         state["current"] = _Null(7)  # a user stream: not routed
-        out["unrouted_us"] = per_call_us(lambda: routed(x), n, lambda: None)
-    out["route_cost_us"] = round(out["routed_us"] - out["plain_us"], 2)
-    out["check_cost_us"] = round(out["unrouted_us"] - out["plain_us"], 2)
+        times = per_call_us({"plain": lambda: plain(x), "unrouted": lambda: routed(x)}, n,
+                            lambda: None)
+        out["plain_user_us"], out["unrouted_us"] = times["plain"], times["unrouted"]
+    out["route_cost_us"] = out["routed_us"] - out["plain_us"]
+    out["check_cost_us"] = out["unrouted_us"] - out["plain_user_us"]
     return {k: round(v, 2) for k, v in out.items()}
 
 
@@ -109,15 +115,21 @@ def run_cuda(n: int) -> dict[str, float]:
     user = torch.cuda.Stream()
     out: dict[str, float] = {}
     with torch.no_grad():
-        for name, model, stream in (("plain", plain, None), ("routed", routed, None),
-                                    ("unrouted_user", routed, user), ("plain_user", plain, user)):
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                model(x)  # workspaces, lazy inits
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                out[f"{name}_us"] = per_call_us(lambda m=model: m(x), n, torch.cuda.synchronize)
-                out[f"{name}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        for model in (plain, routed):  # workspaces, lazy inits, on both streams
+            model(x)
+            with torch.cuda.stream(user):
+                model(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = per_call_us({"plain": lambda: plain(x), "routed": lambda: routed(x)}, n,
+                            torch.cuda.synchronize)
+        out["plain_us"], out["routed_us"] = times["plain"], times["routed"]
+        out["default_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        with torch.cuda.stream(user):
+            times = per_call_us({"plain": lambda: plain(x), "routed": lambda: routed(x)}, n,
+                                torch.cuda.synchronize)
+        out["plain_user_us"], out["unrouted_user_us"] = times["plain"], times["routed"]
+        out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     out["route_cost_us"] = out["routed_us"] - out["plain_us"]
     out["check_cost_us"] = out["unrouted_user_us"] - out["plain_user_us"]
     return {k: round(v, 2) for k, v in out.items()}

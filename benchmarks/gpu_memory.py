@@ -239,6 +239,13 @@ def free_workspaces(cuda: bool) -> float | None:
     return round((before - torch.cuda.memory_allocated()) / 2**20, 1)
 
 
+def cross_stream_replays() -> int:
+    """Replays so far of graphs on another stream than their capture's (each waits both ways)."""
+    from surgery.runtime import apply as apply_mod
+
+    return sum(int(getattr(c, "cross_stream_replays", 0)) for c in apply_mod._CAPTURERS.values())
+
+
 def default_workspace_made(cuda: bool) -> str:
     """Whether the default stream had a cuBLAS workspace: a first matmul there makes one."""
     import torch
@@ -288,7 +295,9 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
         compile_peak = _peaks(cuda)["peak_gib"]
         w.run(w.model, steps=2)  # the steady state: rings grown, every signature captured
         _reset_peaks(cuda)
+        crossed = cross_stream_replays()
         times = w.run(w.model)
+        crossed = cross_stream_replays() - crossed  # replays that waited both ways: 0 expected
         mem = handle.report.memory
         counts = handle.report.counts()
         res = {"arm": f"surgery:{v}" + ("" if route == "on" else ":unrouted"),
@@ -301,7 +310,7 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
                "pool_gib": round(mem.pool / GIB, 4),
                "capture_stream_gib": round(mem.capture_stream / GIB, 4),
                "captures_side_caller": [mem.side_captures, mem.caller_captures],
-               "captures_routed": mem.routed_captures,
+               "captures_routed": mem.routed_captures, "cross_stream_replays": crossed,
                "memory_line": mem.line(),
                "output_sets": sum(p.output_sets for p in mem.paths),
                "largest_paths": [[p.path, round((p.outputs + p.static_inputs) / 2**20, 1)]
@@ -472,6 +481,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 caps = "**none captured**" + (" (no CUDA)" if r.get("gpu") == "cpu" else "")
             if a.get("default_ws"):
                 caps += f" ({a['default_ws']})"
+            if a.get("cross_stream_replays"):
+                caps += f"; {a['cross_stream_replays']} cross-stream replays"
             rows.append(f"| {name} | {stream} | {a['arm']} | {a['median_ms']:.2f} "
                         f"| {a['p90_ms']:.2f} | {speed} | {a['peak_gib']:.3f} | {peak} | {vs} "
                         f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')}"
