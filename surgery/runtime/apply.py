@@ -214,7 +214,8 @@ def apply_manifest(
     m = resolve_manifest(manifest)
     cap = parse_size(max_graph_memory)
     binding = bind_model(model, m, strict=strict)
-    report = ApplyReport(records := [])
+    records: list[RegionRecord] = []
+    report = ApplyReport(records)
     report.notes += binding.notes  # a cast since the plan, an older fingerprint
     handle = ApplyHandle(model, m, report)
     report.memory_source = lambda: collect_memory(handle._slots)
