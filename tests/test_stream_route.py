@@ -253,6 +253,17 @@ def test_a_capture_inside_a_routed_call_counts_as_routed_and_keeps_no_workspace(
     del model
 
 
+def test_a_workspace_a_routed_captures_warm_up_makes_is_the_models_not_the_graphs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region that is the model's first matmul: its warm-up makes the side stream's workspace,
+    which unrouted would have been eager's on the default stream: not counted as the graphs'."""
+    cuda, _, cap, route = routed(monkeypatch)
+    graphs = []
+    route.run(lambda: graphs.append(cap.capture(cuda.matmul)), (), {})
+    assert cuda.workspaces == {SIDE} and cuda.allocated == WORKSPACE
+    assert (cap.routed_captures, cap.stream_bytes, cap.side_bytes) == (1, 0, 0)
+
+
 def test_the_report_says_the_calls_were_routed() -> None:
     mem = GraphMemory([], caller_captures=0, routed_captures=4)
     assert "4 capture(s) on surgery's side stream, which the whole call ran on" in mem.line()
