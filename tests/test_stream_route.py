@@ -463,3 +463,31 @@ def test_cuda_the_route_runs_the_model_on_the_side_stream_and_back() -> None:
     for out, want in zip(outs, wants, strict=True):
         torch.testing.assert_close(out, want)
     torch.testing.assert_close(mine, wants[0])
+
+
+@pytest.mark.cuda
+def test_cuda_inside_the_users_own_capture_the_model_is_not_routed() -> None:
+    """torch.cuda.graph captures on a stream of its own, never the default one: a call made
+    inside it stays there (a routed call would leave the capture). The route alone, on a plain
+    model: what region graphs do inside a user's capture is test_capture's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).cuda().eval()
+    route = install_route(model, [types.SimpleNamespace(
+        capturer=CudaCapturer(torch.cuda.current_device()))], enabled=True, notes=[])
+    assert route is not None
+    x = torch.randn(2, 64, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+        assert route.calls == 1
+        user = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(user):
+            out = model(x)
+        x.add_(1)
+        want = model(x)
+        user.replay()
+        torch.cuda.synchronize()
+    assert route.calls == 2  # the call inside the capture was not routed
+    torch.testing.assert_close(out, want)
+    route.users += 1
+    route.remove()
+    assert "forward" not in vars(model)
