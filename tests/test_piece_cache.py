@@ -50,6 +50,29 @@ def test_key_names_by_position_and_tells_layouts_and_state_apart() -> None:
         assert piece_key(a, [x, w], [1]) != outside
 
 
+def _method_graph(method: str, *args: Any) -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_method(method, (x, *args)))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_a_lone_size_sequence_is_the_same_op_as_spread_sizes() -> None:
+    """``x.reshape(x.shape)`` (dynamo writes the tuple) is ``x.reshape(b, n, c)``: the camera
+    trunk's piece after attention and the global blocks' differed only there."""
+    spread = canonical_graph(_method_graph("reshape", 1, 6, 32))
+    assert canonical_graph(_method_graph("reshape", (1, 6, 32))) == spread
+    assert canonical_graph(_method_graph("reshape", [1, 6, 32])) == spread
+    assert canonical_graph(_method_graph("view", (1, 6, 32))) == \
+        canonical_graph(_method_graph("view", 1, 6, 32))
+    assert canonical_graph(_method_graph("reshape", (1, 6, 32))) != \
+        canonical_graph(_method_graph("reshape", 1, 192))  # other sizes stay apart
+    assert canonical_graph(_method_graph("view", torch.float16)) != \
+        canonical_graph(_method_graph("view", torch.bfloat16))  # a dtype view is untouched
+    assert canonical_graph(_method_graph("flatten", (1, 2))) != \
+        canonical_graph(_method_graph("flatten", 1, 2))  # not a size method
+
+
 def test_state_outside_the_inputs_is_never_shared() -> None:
     lin = _graph(nn.Linear(4, 4))  # its weight is a get_attr: not an input
     assert canonical_graph(lin) is None

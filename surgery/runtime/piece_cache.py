@@ -14,7 +14,9 @@ graph: 78 piece compiles for 6 distinct pieces on the tiny SDPA example.
 What is shared, and the key that makes two pieces interchangeable (``piece_key``):
 
 - **the code**: the piece's FX graph written out node by node, placeholders and values named by
-  position, targets by their qualified names, constants by ``repr``. A graph holding a
+  position, targets by their qualified names, constants by ``repr``, and a lone size sequence of
+  ``reshape``/``view``/``expand``/``permute``/``repeat`` spread (``x.reshape(x.shape)`` is
+  ``x.reshape(b, n, c)``). A graph holding a
   ``get_attr`` or ``call_module`` node (state outside its inputs) is never shared;
 - **the inputs' layout**: type, shape, strides, dtype, device and 16-byte alignment of every
   tensor (what inductor specializes a static graph to), and the value of every Python scalar;
@@ -82,6 +84,20 @@ def _arg(value: Any, ids: dict[fx.Node, int]) -> str:
     return repr(value)
 
 
+# Tensor methods that take their sizes either spread or as one sequence: ``x.reshape(b, n, c)``
+# and ``x.reshape(x.shape)`` are the same op (the camera trunk's and the global blocks' pieces
+# after attention differed only there), so the key spreads a lone sequence.
+_SIZE_METHODS = frozenset({"reshape", "view", "expand", "permute", "repeat"})
+
+
+def _spread(node: fx.Node) -> tuple[Any, ...]:
+    args = node.args
+    if node.op == "call_method" and node.target in _SIZE_METHODS and len(args) == 2 and \
+            isinstance(args[1], list | tuple) and args[1] and not node.kwargs:
+        return (args[0], *args[1])
+    return args
+
+
 def canonical_graph(gm: fx.GraphModule) -> str | None:
     """The piece's code with every name replaced by its position; None if not shareable."""
     ids: dict[fx.Node, int] = {}
@@ -92,7 +108,8 @@ def canonical_graph(gm: fx.GraphModule) -> str | None:
             return None
         target = "" if node.op in ("placeholder", "output") else _name(node.target)
         try:
-            lines.append(f"{node.op} {target} {_arg(node.args, ids)} {_arg(node.kwargs, ids)}")
+            lines.append(f"{node.op} {target} {_arg(_spread(node), ids)} "
+                         f"{_arg(node.kwargs, ids)}")
         except _Unshareable:
             return None
     return "\n".join(lines)

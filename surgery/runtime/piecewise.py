@@ -42,11 +42,11 @@ Where it cannot work, the block runs eager with the reason in its record and one
 RegionFallbackWarning (``on_failure = "error"`` raises instead): a graph break inside the block
 (it compiles ``fullgraph``), a branch on the cache length, or more recompiles than its budget.
 Two rules decide when a call may compile (surgery.runtime.cache_sources has the why): a list
-cache (the example's sliding window) compiles a further structure only when two calls in a row
-show it, so a window that fills compiles once, when full; and a call whose tensor cache is empty
-(a prefill, once a stream) runs eager, its blocks too when it is a stack, so ``generate()``
-traces decode alone. The pieces of all the graphs are compiled once each
-(surgery.runtime.piece_cache).
+cache compiles a further structure only when two calls in a row show it (a window that fills
+compiles once, when full); a call whose tensor cache is empty (a prefill) runs eager, so
+``generate()`` traces decode alone. An int that only selects the block's slot of a list cache
+is not passed to dynamo (surgery.runtime.index_select). Each distinct piece of all the graphs
+compiles once (surgery.runtime.piece_cache).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from surgery.runtime.cache_sources import (
 )
 from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
+from surgery.runtime.index_select import IndexSelect, find_index_select
 from surgery.runtime.piece_cache import PieceCache
 from surgery.runtime.piecewise_split import (
     DEFAULT_SPLIT_OPS,
@@ -96,10 +97,8 @@ PIECEWISE_MAX_COMPILES = 8
 # A further list-cache structure compiles only once it holds for two calls in a row (see
 # surgery.runtime.cache_sources); False compiles each at once (what benchmarks compare with).
 DEFER_STRUCTURES = True
-
 # Raised by a fullgraph compile past dynamo's recompile limit (a plain Exception).
 _RECOMPILE_LIMIT = (torch._dynamo.exc.FailOnRecompileLimitHit,)
-
 _ACTIVE = threading.local()  # .slot: the path whose call runs; .resting: a stack run eager
 
 
@@ -129,9 +128,9 @@ class PiecewiseSlot:
     cache_ids: set[int] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     standby: str | None = None  # the piecewise stack this block stands by for
-    # the last call's list-cache structure, and those a compiled call ran on (cache_sources)
-    last: Any = None
-    ran: set[Any] = field(default_factory=set)
+    select: IndexSelect | None = None  # compiled calls get the slot, not the index
+    last: Any = None  # the last call's list-cache structure (cache_sources)
+    ran: set[Any] = field(default_factory=set)  # the structures a compiled call ran on
     # every source has a dim: an empty one (a prefill) may run eager (cache_sources.filled)
     tensor_cache: bool = False
     last_empty: bool = False
@@ -151,8 +150,9 @@ class PiecewiseSlot:
         if self.mode != "compiled":
             rec.eager_calls += 1
             return self.eager(*args, **kwargs)
+        cargs, ckw = (self.select and self.select.rewrite(args, kwargs)) or (args, kwargs)
         try:
-            empty, shape, rest = self._prepare(args, kwargs)
+            empty, shape, rest = self._prepare(cargs, ckw)
         except Exception as exc:  # a source that cannot be read or marked: the block runs eager
             return self._fail(exc, args, kwargs)
         if rest:  # outside the try: the model's own error is not a compile failure
@@ -161,13 +161,13 @@ class PiecewiseSlot:
         prev, _ACTIVE.slot = _active(), self
         try:
             try:
-                out = self.group.call(self.module, args, kwargs)
+                out = self.group.call(self.module, cargs, ckw)
             except _RECOMPILE_LIMIT:
                 # The paths share one code object, so dynamo's limit (8) counts every path's
                 # graphs. Nothing ran yet (the limit is checked before compiling): compile again
                 # with room for each path's budget. Patched only here: it costs ~0.4 ms.
                 with torch._dynamo.config.patch(recompile_limit=self.group.limit()):
-                    out = self.group.call(self.module, args, kwargs)
+                    out = self.group.call(self.module, cargs, ckw)
         except Exception as exc:
             return self._fail(exc, args, kwargs)
         finally:
@@ -288,8 +288,7 @@ class PiecewiseSlot:
 
 def why_not_piecewise(exc: BaseException) -> str:
     """The reason a block cannot be compiled piecewise, from what dynamo raised."""
-    text = first_line(exc)
-    name = type(exc).__name__
+    text, name = first_line(exc), type(exc).__name__
     if "ConstraintViolation" in name or "Constraints violated" in text or \
             "specialized" in text.lower():
         return f"a branch on the cache length (dynamo specialized the marked dim: {text})"
@@ -298,7 +297,6 @@ def why_not_piecewise(exc: BaseException) -> str:
     if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
         return f"recompiled past dynamo's limit as the cache changed ({text})"
     return f"failed to compile piecewise ({name}: {text})"
-
 
 
 class PiecewiseGroup:
@@ -393,6 +391,8 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
                          parameter_names(eager), sources, capturer,
                          budget=plan.max_signatures if "max_signatures" in region.compile
                          else PIECEWISE_MAX_COMPILES, standby=fallback_of(region))
+    slot.select = find_index_select(target, slot.names, [s.arg for s in sources if s.dim is None])
+    rec.notes += [slot.select.note()] if slot.select is not None else []
     rec.signature_mode = "piecewise"
     rec.reason = standby_reason(slot.standby) if slot.standby is not None else rec.reason
     group.slots.append(slot)
