@@ -14,6 +14,13 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
   sdpa_piecewise_unshared  sdpa_piecewise with its frame blocks compiled whole, as before
                   runtime/shared_pieces (they are RopeBlock, like the global blocks, and share
                   their pieces): what that sharing cuts (ask for it with --arms)
+  sdpa_piecewise_noselect  sdpa_piecewise with runtime/index_select off: the trunk's calls
+                  pass `global_idx` to dynamo, so each instance traces its own graphs (ask for
+                  it with --arms)
+  sdpa_piecewise_lightfusion  sdpa_piecewise with the depth head's FusionBlock region on
+                  aot_eager (`[region.compile] backend`), still captured: its 4 resolutions are
+                  4 inductor compiles (~11 s on the H200, in both plans) for conv-bound blocks
+                  whose launches the region graph saves anyway (an experiment: ask with --arms)
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
@@ -96,10 +103,12 @@ from _arms import (  # noqa: E402
 from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
-        "sdpa_piecewise_before", "sdpa_piecewise_unshared", "gpt2_eager", "gpt2_piecewise",
-        "gpt2_stack", "gpt2_ab")
+        "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
+        "sdpa_piecewise_lightfusion", "gpt2_eager", "gpt2_piecewise", "gpt2_stack", "gpt2_ab")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
-                                                  "sdpa_piecewise_unshared", "gpt2_ab"))
+                                                  "sdpa_piecewise_unshared",
+                                                  "sdpa_piecewise_noselect",
+                                                  "sdpa_piecewise_lightfusion", "gpt2_ab"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -266,6 +275,10 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     out: dict[str, Any] = {"arm": arm}
     if arm == "sdpa_piecewise_before":
         _as_before()
+    if arm == "sdpa_piecewise_noselect":  # the trunk's index reaches dynamo (per instance)
+        import surgery.runtime.index_select as index_select
+
+        index_select.SELECT_SLOTS = False
     if arm == "sdpa_piecewise_unshared":  # frame blocks compile whole (no shared pieces)
         import surgery.runtime.apply as apply_module
 
@@ -288,6 +301,10 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
         manifest = plan_model(spec, compile=compile_defaults(), piecewise=piecewise).manifest
         if arm == "sdpa_piecewise_global":
             _without_trunk(manifest, plan_model(spec, compile=compile_defaults()).manifest)
+        if arm == "sdpa_piecewise_lightfusion":  # the fusion blocks traced, not inductor-built
+            for r in manifest.regions:
+                if r.module_class == "FusionBlock":
+                    r.compile = {**r.compile, "backend": "aot_eager"}
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["regions"] = paths_per_kind(manifest)
         # The coverage target is the piecewise plan's; names has its figure too, and every

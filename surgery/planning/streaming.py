@@ -21,7 +21,10 @@ the paths' budgets (surgery.runtime.piecewise). So such a block is planned piece
 group's instances x ``INDEXED_GRAPHS_PER_INSTANCE`` stay within ``INDEXED_GRAPH_BUDGET``, with
 ``max_signatures`` set to the per-instance figure (a list cache compiles once per length until
 its window is full; a window longer than that demotes the path at run time, with the reason).
-Past the budget it keeps today's treatment, with the figures in its reason.
+Past the budget it keeps today's treatment, with the figures in its reason. An index that only
+selects the block's slot of its list cache (``cache[global_idx]`` and no other use, found in the
+forward's source by surgery.runtime.index_select) never reaches dynamo: the runtime passes the
+slot, the instances share their graphs, and the group is planned whatever its size.
 
 Which blocks keep today's treatment, with the reason added under ``[[left_out]]``: a block whose
 forward takes a per-instance index in a group too large for the budget, and a block whose cache
@@ -50,6 +53,7 @@ from surgery.planning.blocks import is_cache_arg, is_index_arg
 from surgery.planning.regions import natural_key
 from surgery.planning.stacks import counted_regions, plan_stacks
 from surgery.planning.view import ModelView
+from surgery.runtime.index_select import find_index_select
 
 # The dim that grows in a transformers Cache's tensors: (batch, heads, length, head_dim).
 HF_CACHE_LENGTH_DIM = 2
@@ -100,6 +104,12 @@ def index_arg(view: ModelView, path: str) -> str | None:
     return next((a.name for a in view.modules[path].forward_args or () if is_index_arg(a)), None)
 
 
+def _only_selects(block: Any, sources: Sequence[str]) -> bool:
+    """The block's index only selects its slot of a list-cache argument (runtime.index_select)."""
+    lists = [s for s in sources if ":" not in s and not s.startswith("self.")]
+    return find_index_select(block.forward, (), lists) is not None
+
+
 def _over_budget(index: str, instances: int) -> str | None:
     """Why a group of blocks with a per-instance index is too large to trace per instance."""
     graphs = instances * INDEXED_GRAPHS_PER_INSTANCE
@@ -144,7 +154,9 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
         index = index_arg(view, paths[0])
         if index is None:
             continue
-        why = _over_budget(index, len(paths))
+        # an index the runtime keeps from dynamo: the instances share graphs, any count fits
+        why = None if _only_selects(model.get_submodule(paths[0]), key[1]) else \
+            _over_budget(index, len(paths))
         if why is not None:
             kept.update(dict.fromkeys(paths, why))
             del groups[key]
@@ -169,7 +181,7 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
             lo.reason = f"{lo.reason}; {kept[lo.path]}"
     for (cls, found), paths in groups.items():
         params = sum(view.numel(p) for p in paths)
-        # an indexed group: each instance compiles its own graphs, within its own budget
+        # an indexed group: each path a budget for its list cache's structures
         budget = {"max_signatures": INDEXED_GRAPHS_PER_INSTANCE} if (cls, found) in indexed \
             else {}
         manifest.regions.append(Region(
