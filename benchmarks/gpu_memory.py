@@ -469,6 +469,8 @@ def table(results: list[dict[str, Any]]) -> str:
             over = _overhead_mib(a, eager)
             peak = (f"{over:+.0f} MiB ({a['peak_mib'] / eager['peak_mib'] - 1:+.1%})"
                     if over is not None and a is not eager else "")
+            if peak and "ws_freed_mib" in a and a["ws_freed_mib"] is None:
+                peak += " (workspaces not freed: eager's may be in it)"
             vs = "" if a is before else _vs_before(over, a, then)
             mib = GIB / 2**20
             held = (f"{a['graphs_gib'] * mib:.1f}: {a['outputs_gib'] * mib:.1f} / "
