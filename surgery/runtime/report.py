@@ -385,8 +385,8 @@ class GraphMemory:
         paid for one ("" when every capture was on the caller's own stream)."""
         routed = (f"; {self.routed_captures} capture(s) on surgery's side stream, which the "
                   "whole call ran on (called on the default stream: routed), so the model and its "
-                  "graphs share one cuBLAS workspace (matmuls run on the default stream outside the "
-                  "model keep that stream's too)" if self.routed_captures else "")
+                  "graphs share one cuBLAS workspace (a matmul on the default stream outside the "
+                  "model makes that stream's too)" if self.routed_captures else "")
         if not self.side_stream:
             return routed
         return routed + (
