@@ -72,6 +72,17 @@ def run_grid(script: str, tag: str, ref_var: str, models: list[str], arms: list[
     return results
 
 
+def cold_start_as_before() -> None:
+    """The ``*_before`` arms: no light pieces and no early compile pool
+    (surgery.runtime.compile_start), as the cold start was before them: every piece compiles
+    with the plan's backend, and inductor starts its workers at its first compile."""
+    import surgery.runtime.compile_start as compile_start
+    import surgery.runtime.piecewise as piecewise
+
+    piecewise.light_allowed = lambda *a, **k: False  # type: ignore[assignment]
+    compile_start.pool_wanted = lambda *a, **k: False  # type: ignore[assignment]
+
+
 def print_arm_result(run: Callable[[], dict[str, Any]], ident: dict[str, str]) -> None:
     """In an arm's own process: print ``run()``'s result as one JSON line, or its failure
     (type and first line of the message) as the arm's result, after the traceback on stderr."""

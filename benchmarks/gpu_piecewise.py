@@ -26,6 +26,9 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   its 12 blocks piecewise, each entered through dynamo every token
   gpt2_stack      `plan --model ... --piecewise` as planned: `transformer` as ONE piecewise
                   region (one dynamo entry a token), its blocks standing by
+  gpt2_stack_before  gpt2_stack without runtime/compile_start's cuts (light pieces, the compile
+                  pool started at apply): what they save in cold start, and cost in speed (ask
+                  for it with --arms)
   gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
                   ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
                   the eager model, the stack plan applied to the other; both warmed at full
@@ -94,6 +97,7 @@ sys.path.insert(0, HERE)
 from _arms import (  # noqa: E402
     against_reference,
     child_result,
+    cold_start_as_before,
     fresh_cache_env,
     latency,
     paths_per_kind,
@@ -104,11 +108,13 @@ from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
-        "sdpa_piecewise_lightfusion", "gpt2_eager", "gpt2_piecewise", "gpt2_stack", "gpt2_ab")
+        "sdpa_piecewise_lightfusion", "gpt2_eager", "gpt2_piecewise", "gpt2_stack",
+        "gpt2_stack_before", "gpt2_ab")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
-                                                  "sdpa_piecewise_lightfusion", "gpt2_ab"))
+                                                  "sdpa_piecewise_lightfusion", "gpt2_ab",
+                                                  "gpt2_stack_before"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -248,6 +254,7 @@ def _cold_breakdown(handle: Any, out: dict[str, Any],
         "plain_compiles": sum(r.compiles for r in recs if r.kind != "piecewise"),
         "pieces_compiled": sum(r.pieces_compiled for r in recs),
         "pieces_shared": sum(r.pieces_shared for r in recs),
+        "pieces_light": sum(r.pieces_light for r in recs),
         "new_structure_calls": sum(r.new_structure_calls for r in pw),
         "empty_cache_calls": sum(r.empty_cache_calls for r in pw)}
     b = out["cold_breakdown"]
@@ -421,7 +428,9 @@ def run_gpt2(arm: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     handle = None
     recompiles = _watch_recompiles()
-    if arm in ("gpt2_piecewise", "gpt2_stack"):
+    if arm == "gpt2_stack_before":
+        cold_start_as_before()
+    if arm in ("gpt2_piecewise", "gpt2_stack", "gpt2_stack_before"):
         manifest = _gpt2_plan(arm, model, ids, out)
         t0 = time.perf_counter()
         handle = _apply_gpt2(model, manifest, ids, cuda)
@@ -594,7 +603,7 @@ def cold_table(results: list[dict[str, Any]]) -> str:
     """The cold start of each arm that has a breakdown, where it went."""
     keys = ("dynamo_trace_s", "backend_s", "piece_compile_s", "capture_s", "rest_s",
             "dynamo_graphs", "piecewise_graphs", "plain_compiles", "pieces_compiled",
-            "pieces_shared", "new_structure_calls", "empty_cache_calls")
+            "pieces_shared", "pieces_light", "new_structure_calls", "empty_cache_calls")
     rows = ["| arm | cold s | vs names | " + " | ".join(keys) + " |",
             "|---" * (len(keys) + 3) + "|"]
     triggers = []

@@ -21,6 +21,9 @@ Arms, each a fresh process with an empty inductor/Triton cache:
   names     ``plan_model`` (``surgery plan --model``: names and structure), ``apply_manifest``
   evidence  ``plan_from_step`` (``surgery plan --model --input``): 6 watched steps, 3 bare and
             3 hooked timed steps, then ``apply_manifest``
+  evidence_before
+            the evidence plan without surgery.runtime.compile_start's cold-start cuts (light
+            pieces, the compile pool started at apply): what they save, and cost in speed
   evidence_inductor
             the same plan with its light regions (surgery.planning.compile_cost: small compile
             groups new to the names plan, aot_eager under region capture) put back on inductor,
@@ -58,6 +61,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from _arms import (  # noqa: E402
     against_reference,
+    cold_start_as_before,
     latency,
     paths_per_kind,
     print_arm_result,
@@ -66,7 +70,7 @@ from _arms import (  # noqa: E402
 )
 
 MODELS = ("sdpa", "flux", "gpt2_generate", "gpt2_static")
-ARMS = ("eager", "names", "evidence", "evidence_inductor")
+ARMS = ("eager", "names", "evidence", "evidence_before", "evidence_inductor")
 TINY = os.environ.get("GPU_PLANS_SIZE") == "tiny"
 WARM = 2 if TINY else 20  # sdpa: frames before timing (the camera trunk's window is 16)
 NEW_TOKENS = 4 if TINY else 16
@@ -161,7 +165,9 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     manifest = None
     if arm == "names":
         manifest = plan_model(f"gpu_plans:{FACTORY[name]}", compile=compile_defaults()).manifest
-    elif arm in ("evidence", "evidence_inductor"):
+    elif arm in ("evidence", "evidence_before", "evidence_inductor"):
+        if arm == "evidence_before":
+            cold_start_as_before()
         def step(m: Any) -> None:
             with torch.no_grad():  # planned under no_grad, deployed under inference_mode
                 unit(m)
@@ -229,6 +235,9 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
             compiles=sum(r.compiles for r in recs), recompiles=sum(r.recompiles for r in recs),
             demoted_dynamic=sum(r.signature_mode == "dynamic" for r in recs),
             graphs_captured=sum(r.graphs_captured for r in recs),
+            pieces_compiled=sum(r.pieces_compiled for r in recs),
+            pieces_light=sum(r.pieces_light for r in recs),
+            piece_compile_s=round(sum(r.piece_compile_s for r in recs), 2),
             capture_s=round(sum(r.capture_s for r in recs), 2),
             unplanned_warnings=sum(issubclass(w.category, UnplannedSignatureWarning)
                                    for w in caught),

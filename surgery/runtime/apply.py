@@ -36,6 +36,7 @@ from surgery.runtime.compile_options import (
     RegionPlans,
     plan_region,
 )
+from surgery.runtime.compile_start import start_compile_pool
 from surgery.runtime.graph_memory import collect_memory, note_expandable_segments, parse_size
 from surgery.runtime.graphs.arena import arena_of
 from surgery.runtime.graphs.capture import Capturer, CudaCapturer
@@ -193,9 +194,8 @@ def apply_manifest(
     on the first real call; with ``capture = "region"`` (the plan's default) warm up under
     ``no_grad`` or ``inference_mode``, since region graphs are captured only there (from each
     path's second call, its first with precompiled code). ``overrides`` is merged over every
-    region's compile options.
-    ``strict=False`` turns a fingerprint mismatch into a warning. Dynamo keeps the compiled code
-    cached after ``restore()`` until ``torch._dynamo.reset()``.
+    region's compile options. ``strict=False`` turns a fingerprint mismatch into a warning.
+    Dynamo keeps the compiled code cached after ``restore()`` until ``torch._dynamo.reset()``.
 
     ``cache`` is a compile-cache bundle (``surgery warm`` or ``handle.save_cache()``), or True
     for the one beside the manifest file. It is loaded before anything compiles, only when it
@@ -232,10 +232,9 @@ def apply_manifest(
     resolved = resolve_regions(model, m, records)  # every path, or one error naming all
     _check_nesting(resolved)
 
-    cuda_graph_regions = False
+    cuda_graph_regions = mha = False
     capped: set[int] = set()  # arenas whose cap this apply set
     clone_risk: list[str] = []
-    mha = False
     plans = RegionPlans(m, overrides, lambda mod: _on_cuda(mod, model))  # once per region
     try:
         share = piece_sharing(resolved, plans.get, piecewise_groups)  # (shared_pieces)
@@ -352,6 +351,7 @@ def _warm_up(handle: ApplyHandle, manifest: Manifest,
                                 "runs their compiled code")
         return
     mark = bool(manifest.warmup.get("mark_step", True))
+    report.notes += start_compile_pool(handle._slots, handle._device, report.cache)
     before = counters["stats"]["unique_graphs"]
     for _ in range(n):
         if mark:

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from surgery.runtime.compile_start import LIGHT_PIECE_BACKEND, compile_light
+
 # Alignment inductor checks an input's data pointer against (its `ALIGNMENT`).
 _ALIGN = 16
 # Python scalars a key may hold by value (a piece specializes on them).
@@ -167,21 +169,26 @@ class PieceCache:
     compile_fn: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
     compiled: dict[tuple[Any, ...], CompiledPiece] = field(default_factory=dict)
     compiles: int = 0  # pieces compiled
+    light: int = 0  # of them, light pieces (surgery.runtime.compile_start)
     shared: int = 0  # pieces that took a callable already compiled
     compile_s: float = 0.0  # seconds spent compiling pieces
 
-    def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int]
-            ) -> tuple[CompiledPiece, tuple[Any, ...] | None, bool]:
-        """(the compiled piece, its key, whether it was compiled now) for these inputs."""
+    def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int],
+            light: bool = False) -> tuple[CompiledPiece, tuple[Any, ...] | None, bool]:
+        """(the compiled piece, its key, whether it was compiled now) for these inputs. A light
+        piece compiles with the light backend, under a key of its own."""
         key = piece_key(gm, args, stable_pos)
+        if key is not None and light:
+            key = (*key, LIGHT_PIECE_BACKEND)
         found = self.compiled.get(key) if key is not None else None
         if found is not None:
             self.shared += 1
             return found, key, False
         t0 = time.perf_counter()
-        piece = CompiledPiece(self.compile_fn(gm, args))
+        piece = CompiledPiece((compile_light if light else self.compile_fn)(gm, args))
         self.compile_s += time.perf_counter() - t0
         self.compiles += 1
+        self.light += light
         if key is not None:
             self.compiled[key] = piece
         return piece, key, True

@@ -120,6 +120,7 @@ class PathPieces:
         self.graphs: dict[Any, tuple[RegionGraphs, _PieceCall]] = {}
         self.piece_runs = 0  # static pieces run (replayed or not)
         self.compiled = 0  # pieces this path compiled
+        self.light = 0  # of them, with the light backend (surgery.runtime.compile_start)
         self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
         self.compile_s = 0.0  # seconds this path spent compiling pieces
         self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
@@ -194,6 +195,7 @@ class StaticPiece(nn.Module):
         # its values come back in the graph's order (canonical_output); put back per caller
         self._single, self._perm = canonical_output(gm)
         self.work = True
+        self.light = False  # compiles with the light backend (surgery.runtime.compile_start)
         self._owner = [owner]
         self.kid = -1  # id of the compiled callable: one per key (ensure)
         # a call's parameters/buffers and its other inputs, picked in one C-level call each
@@ -204,12 +206,15 @@ class StaticPiece(nn.Module):
         """The compiled piece: compiled now, or the callable of an identical piece."""
         if self._fn is None:
             t0 = time.perf_counter()
-            self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos)
+            self._fn, key, fresh = self._pieces[0].get(self.gm, list(args), self.stable_pos,
+                                                       light=self.light)
             self.key = key if key is not None else ("piece", id(self))
             self.kid = id(self._fn)  # identical pieces share the callable (piece_cache)
             if state is not None:
                 if fresh:
                     state.compiled += 1
+                    if self.light:  # only a piecewise region's pieces (PathPieces) are light
+                        state.light += 1
                     state.compile_s += time.perf_counter() - t0
                 else:
                     state.shared += 1

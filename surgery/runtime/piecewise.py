@@ -185,7 +185,7 @@ class PiecewiseSlot:
         g = self.graphs
         assert g is not None
         rec.graphs_captured, rec.cuda_graph_replays = g.captures, g.replays
-        rec.pieces_compiled, rec.pieces_shared = g.compiled, g.shared
+        rec.pieces_compiled, rec.pieces_shared, rec.pieces_light = g.compiled, g.shared, g.light
         rec.piece_compile_s, rec.capture_s = g.compile_s, g.capture_s
         if rec.compiles > self.budget:
             self._demote(f"recompiled {rec.compiles} times (over its budget of {self.budget}) "
@@ -341,7 +341,7 @@ class PiecewiseGroup:
         t0 = time.perf_counter()
         graph = PiecewiseGraph(gm, example_inputs, split_ops=self.split_ops,
                                cache_ids=slot.cache_ids if slot is not None else set(),
-                               stable_ids=stable, pieces=self.pieces,
+                               stable_ids=stable, pieces=self.pieces, backend=self.plan.backend,
                                state_for=lambda: s.graphs if (s := _active()) else None)
         self.split_s += time.perf_counter() - t0
         self.graphs.append(graph)

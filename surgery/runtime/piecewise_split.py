@@ -44,7 +44,8 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
-from surgery.runtime.piece_cache import PieceCache
+from surgery.runtime.compile_start import light_allowed, light_pieces
+from surgery.runtime.piece_cache import PieceCache, canonical_graph
 from surgery.runtime.piece_replay import PathPieces, StaticPiece, inline_between
 
 # Ops that always run between pieces: the manifest names some of these (attention by default).
@@ -148,8 +149,13 @@ def _merge_free_runs(between: dict[fx.Node, bool]) -> dict[fx.Node, bool]:
     return out
 
 
+def _work(gm: fx.GraphModule) -> int:
+    """The ops of a piece that do work (not views, sizes or tuple indexing)."""
+    return sum(1 for n in gm.graph.nodes if n.op.startswith("call") and not _free(n))
+
+
 def _is_work(gm: fx.GraphModule) -> bool:
-    return any(n.op.startswith("call") and not _free(n) for n in gm.graph.nodes)
+    return _work(gm) > 0
 
 
 def _ops(gm: fx.GraphModule) -> int:
@@ -164,7 +170,8 @@ class PiecewiseGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                  split_ops: Sequence[str], cache_ids: set[int], stable_ids: set[int],
-                 pieces: PieceCache, state_for: Callable[[], PathPieces | None]) -> None:
+                 pieces: PieceCache, state_for: Callable[[], PathPieces | None],
+                 backend: str | None = None) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         cache_inputs = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                         if id(e) in cache_ids}
@@ -198,6 +205,14 @@ class PiecewiseGraph:
             piece.work = _is_work(sub)
             self.static.append(piece)
             setattr(self.split, node.target, piece)
+        # a piecewise region's graph (``backend``: its plan's) may have light pieces: pieces
+        # that hold a small share of its work, replayed as graphs (compile_start)
+        path = state_for()
+        if backend is not None and light_allowed(backend, getattr(path, "capturer", None)
+                                                 is not None):
+            flags = light_pieces([(canonical_graph(p.gm), _work(p.gm)) for p in self.static])
+            for p, flag in zip(self.static, flags, strict=True):
+                p.light = flag
         self.inlined = inline_between(self.split, {p.gm for p in self.static})
 
     @property

@@ -82,6 +82,7 @@ class RegionRecord:
     # another graph or block (surgery.runtime.piece_cache)
     pieces_compiled: int = 0
     pieces_shared: int = 0
+    pieces_light: int = 0  # of pieces_compiled, with the light backend (runtime.compile_start)
     piece_compile_s: float = 0.0  # seconds it spent compiling them (after dynamo's trace)
     # calls that ran eager because their list cache had a structure not compiled yet (it
     # compiles once two calls in a row show it: surgery.runtime.cache_sources)
