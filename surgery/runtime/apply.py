@@ -208,6 +208,8 @@ def apply_manifest(
     past it, paths run compiled without a graph (surgery.runtime.graph_memory).
     ``report.memory`` says what they hold, per path and in total. With ``route_default_stream``,
     calls on the default stream run on the graphs' side stream (surgery.runtime.stream_route).
+    A cold start on CUDA starts inductor's compile workers before the warm-up's first trace
+    (surgery.runtime.compile_start).
     """
     dev = _device_of(model, model)  # on CUDA, one-time keys are hashed beside what follows:
     keys = KeyPrefetch.start(dev.type) if cache is not None and cache is not False else None
