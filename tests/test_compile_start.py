@@ -60,6 +60,22 @@ def test_light_pieces_need_inductor_and_region_capture() -> None:
     assert not light_allowed("aot_eager", True)  # nothing to save
 
 
+def test_a_light_piece_is_never_handed_to_a_full_compile_of_the_same_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same code light in one graph and full in another (an ordinary region built from the
+    pieces, surgery.runtime.shared_pieces): two compiles, each reused by its own kind."""
+    light: list[int] = []
+    monkeypatch.setattr(piece_cache, "compile_light", lambda gm, args: light.append(1) or gm)
+    cache = piece_cache.PieceCache(lambda gm, args: gm)
+    gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    x = torch.randn(2, 4)
+    a, _, fresh_a = cache.get(gm, [x], [], light=True)
+    b, _, fresh_b = cache.get(gm, [x], [], light=False)
+    c, _, fresh_c = cache.get(gm, [x], [], light=True)
+    assert fresh_a and fresh_b and not fresh_c and a is c and a is not b
+    assert cache.compiles == 2 and cache.light == 1 and light == [1]
+
+
 def _counting(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
     """Count the pieces compiled through the plan's backend (stood in by aot_eager: the CPU's
     C++ builds would take minutes) and those compiled light; (full, light) op counts."""
@@ -196,13 +212,19 @@ def test_apply_starts_the_pool_before_the_first_trace(monkeypatch: pytest.Monkey
 
 
 def test_apply_on_the_cpu_starts_no_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inductor region on the CPU: asked (the warm-up ran), not wanted, nothing started."""
     started: list[bool] = []
+    asked: list[bool] = []
+    real = compile_start.pool_wanted
     monkeypatch.setattr(compile_start, "_warm_pool", lambda: started.append(True) or True)
+    monkeypatch.setattr(compile_start, "pool_wanted",
+                        lambda *a: asked.append(real(*a)) or asked[-1])
     net = _Net()
-    handle = apply_manifest(net, _net_manifest(net, "aot_eager"), warmup=lambda m: m(
-        torch.randn(2, 8)), passes=1, overrides={"backend": "inductor"})
+    # the warm-up calls nothing: the decision comes before it, and no C++ build runs here
+    handle = apply_manifest(net, _net_manifest(net, "inductor"), warmup=lambda m: None,
+                            passes=1)
     assert handle.report.records[0].backend == "inductor"  # wanted on CUDA, not here
-    assert started == [] and POOL_NOTE not in handle.report.notes
+    assert asked == [False] and started == [] and POOL_NOTE not in handle.report.notes
     handle.restore()
 
 
