@@ -218,18 +218,19 @@ def sig_of(choice, path):  # type: ignore[no-untyped-def]
 
 
 def test_injected_clock_gives_total_and_self_times() -> None:
+    """A clock that ticks 1 ms a reading and nothing else: the modules cost nothing, and every
+    span is the hooks' own part (one tick), which the calibration measures and takes off."""
     ticks = itertools.count()
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     obs = observe(model, lambda m: m(torch.randn(2, 8)), steps=1, timed_steps=1,
                   clock=lambda: next(ticks) / 1e3)
-    # Ticks: 2 for the watched phase; a bare step (start, end: 1 ms); a hooked step: start,
-    # root pre, 0 pre, 0 post, 1 pre, 1 post, root post, end (7 ms). The hooks cost 6 ms over
-    # 3 calls, 2 ms a call: the root's span (5 ms) loses 2 x 2 ms for the two calls inside it,
-    # and its children (1 ms each, all hook time) share what is left of it.
-    assert obs.clock == "injected"
-    assert obs.bare_step_ms == pytest.approx(1.0) and obs.hooked_step_ms == pytest.approx(7.0)
-    assert obs.hook_ms_per_call == pytest.approx(2.0)
-    assert obs.total_ms == pytest.approx({"": 1.0, "0": 0.5, "1": 0.5})
+    # Ticks: a bare step (start, end: 1 ms); calibration: a hooked nn.Identity's span is one
+    # tick, a hook pair two; then one pass a level: the root (start, pre, post, end: 3 ms), its
+    # two children (5 ms).
+    assert obs.clock == "injected" and obs.timing_passes == 2
+    assert obs.bare_step_ms == pytest.approx(1.0) and obs.hooked_step_ms == pytest.approx(5.0)
+    assert obs.hook_ms_per_call == pytest.approx(1.0) and obs.hook_pair_ms == pytest.approx(2.0)
+    assert obs.total_ms == pytest.approx({"": 0.0, "0": 0.0, "1": 0.0})
     assert obs.step_ms == pytest.approx(1.0)  # the bare step, not the root's hooks
 
 
@@ -247,12 +248,12 @@ def test_a_step_through_forward_is_timed_around_the_step() -> None:
 
 def test_coverage_arithmetic() -> None:
     obs = Observation(timed_steps=2, clock="injected")
-    # Two steps of: root 10 ms = a (region, 4 ms, r inside 1 ms) + b (5 ms: b.y region 2 ms,
-    # r outside any region 1 ms) + 1 ms of the root's own.
+    # One step (the timed calls are one step's, surgery.planning.level_timing): root 10 ms = a
+    # (region, 4 ms, r inside 1 ms) + b (5 ms: b.y region 2 ms, r outside any region 1 ms) +
+    # 1 ms of the root's own.
     one = [("", -1, 10.0), ("a", 0, 4.0), ("r", 1, 1.0), ("b", 0, 5.0), ("b.y", 3, 2.0),
            ("r", 3, 1.0)]
-    calls = one + [(p, q + 6 if q >= 0 else -1, ms) for p, q, ms in one]
-    fold_times(obs, calls)
+    fold_times(obs, one)
     obs.step_ms = 10.0
     cov = coverage(obs, ["a", "b.y", "r"])
     # a (4) + b.y (2) + r outside a (1): 7 of 10; r inside a counts once, inside a.

@@ -4,7 +4,6 @@ plan is a failure; budgets per weight layout; dynamic regions; grad modes as one
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -494,9 +493,17 @@ def test_the_plan_that_covers_more_of_the_step_is_kept() -> None:
     from surgery.planning.compare import best_of
     from surgery.planning.evidence import Choice
 
-    ticks = itertools.count()  # a clock that ticks once a reading: the same shares every run
-    obs = observe(Net().eval(), _no_grad_call, steps=2, timed_steps=3,
-                  clock=lambda: next(ticks) / 1e3)
+    model = Net().eval()  # on the virtual clock (COST): the same shares every run
+
+    def advance(m: nn.Module, args: object, out: object) -> None:
+        NOW[0] += COST.get(type(m), 0.0)
+
+    hooks = [m.register_forward_hook(advance) for m in model.modules()]
+    try:
+        obs = observe(model, _no_grad_call, steps=2, timed_steps=3, clock=lambda: NOW[0])
+    finally:
+        for h in hooks:
+            h.remove()
     weak = Choice(["blocks.0.norm"], [], {}, {})
     joined, info = best_of(obs, weak, ["head"])
     assert "head" in joined.regions and "blocks.0.norm" in joined.regions

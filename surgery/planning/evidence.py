@@ -375,19 +375,18 @@ def coverage(obs: Observation, regions: Sequence[str]) -> dict[str, Any]:
         if not inside[i]:
             key = re.sub(r"\.\d+(?=\.|$)", ".*", path)
             rest[key] = rest.get(key, 0.0) + max(0.0, ms - child_ms[i])
-    n = obs.timed_steps or 1
-    step = obs.step_ms
+    step = obs.step_ms  # timed_calls are one step's calls (surgery.planning.level_timing)
     # The step's own time outside every module call (the driver's Python, a sampler, a loop).
-    top = sum(ms for _path, parent, ms in calls if parent < 0) / n
+    top = sum(ms for _path, parent, ms in calls if parent < 0)
     if step > top:
-        rest[OUTSIDE] = (step - top) * n
-    remainders = [{"path": p or "(model)", "ms": round(ms / n, 4), "share": round(ms / n / step, 4)}
+        rest[OUTSIDE] = step - top
+    remainders = [{"path": p or "(model)", "ms": round(ms, 4), "share": round(ms / step, 4)}
                   for p, ms in sorted(rest.items(), key=lambda kv: -kv[1])[:_REMAINDERS]
                   if ms > 0]
     out: dict[str, Any] = {
-        "clock": obs.clock, "timed_steps": n, "step_ms": round(step, 4),
-        "covered_ms": round(min(covered / n, step), 4),
-        "covered_share": round(min(1.0, covered / n / step), 4),
+        "clock": obs.clock, "timed_steps": obs.timed_steps or 1, "step_ms": round(step, 4),
+        "covered_ms": round(min(covered, step), 4),
+        "covered_share": round(min(1.0, covered / step), 4),
     }
     if obs.bare_step_ms and obs.hooked_step_ms:
         out["hooked_step_ms"] = round(obs.hooked_step_ms, 4)

@@ -7,7 +7,7 @@ reads them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,18 +53,23 @@ class Observation:
     # compiled callable, and so one recompile budget.
     callables: dict[str, str] = field(default_factory=dict)
     structure: dict[str, int] = field(default_factory=dict)  # path -> hash of its tensors
-    # Timing (second phase): per path, total and self ms summed over the timed steps.
+    # Timing (surgery.planning.level_timing): per path, total and self ms of one step.
     total_ms: dict[str, float] = field(default_factory=dict)
     self_ms: dict[str, float] = field(default_factory=dict)
-    # Total of each path's calls that ran outside the given calls (filled by the planner).
     step_ms: float = 0.0  # the bare step (no hooks), timed around STEP itself: shares are of it
-    timed_steps: int = 0
+    timed_steps: int = 0  # steps timed bare, and in each timing pass
     clock: str = ""  # "cuda-events" | "perf_counter" | "injected" | "" (not timed)
     bare_step_ms: float = 0.0  # a step without hooks, for the hooks' overhead
-    hooked_step_ms: float = 0.0  # a step with the timing hooks
+    hooked_step_ms: float = 0.0  # the slowest timing pass's step (the most hooks at once)
     watched_step_ms: float = 0.0  # a step while watched (hooks and the function mode)
-    hook_ms_per_call: float = 0.0  # the hooks' overhead per timed call, taken off each span
-    timed_calls: list[tuple[str, int, float]] = field(default_factory=list)  # path, parent, ms
+    # The hooks' own part inside each span they time (calibrated, taken off each span), and a
+    # whole hook pair's cost (what a nested timed call adds to the span around it).
+    hook_ms_per_call: float = 0.0
+    hook_pair_ms: float = 0.0
+    timing_passes: int = 0  # one a nesting level (level_timing)
+    # One step's calls, path, parent index, ms: the last watched step's call tree, each call's
+    # fastest span over the timed steps.
+    timed_calls: list[tuple[str, int, float]] = field(default_factory=list)
     eager_peak_bytes: int = 0  # CUDA: the bare steps' peak allocated memory (0: not measured)
 
     def by_path(self) -> dict[str, list[Call]]:
@@ -77,18 +82,25 @@ class Observation:
 Clock = Callable[[], float]  # seconds
 
 
-class _Timer:
-    """Hooks that time each module call: CUDA events on a GPU, else a clock."""
+class Timer:
+    """Hooks that time module calls: CUDA events on a GPU, else a clock.
+
+    ``paths`` (module paths) and ``methods`` (``module.path.method``) say which calls are timed;
+    ``paths=None`` times every module. surgery.planning.level_timing times one nesting level at a
+    time, so that no timed span holds the hooks of another. ``step`` is set by the caller before
+    each step and recorded with every call.
+    """
 
     def __init__(self, model: nn.Module, *, cuda: bool, clock: Clock | None,
-                 methods: Sequence[str] = ()) -> None:
+                 methods: Sequence[str] = (), paths: Collection[str] | None = None) -> None:
         self.model = model
         self.methods = list(methods)
+        self.paths = None if paths is None else set(paths)
         self.restore: list[tuple[nn.Module, str, bool, Any]] = []
         self.cuda = cuda and clock is None
         self.clock = clock or time.perf_counter
-        self.stack: list[tuple[str, int, Any]] = []
-        self.done: list[tuple[str, int, Any, Any]] = []  # path, parent index, start, end
+        self.step = 0
+        self.done: list[tuple[str, int, Any, Any, int]] = []  # path, parent, start, end, step
         self.open: list[int] = []
         self.handles: list[Any] = []
         self.pool: list[Any] = []  # CUDA events made before the timed steps (reserve)
@@ -106,8 +118,11 @@ class _Timer:
             return ev
         return self.clock()
 
-    def __enter__(self) -> _Timer:
+    def __enter__(self) -> Timer:
         for path, mod in self.model.named_modules():
+            if self.paths is not None and path not in self.paths:
+                continue
+
             def pre(m: nn.Module, args: Any, path: str = path) -> None:
                 self._begin(path)
 
@@ -117,84 +132,65 @@ class _Timer:
             self.handles.append(mod.register_forward_pre_hook(pre))
             self.handles.append(mod.register_forward_hook(post))
         for mp in self.methods:
-            self.restore.append(_wrap_method(self.model, mp, self._begin, self._end))
+            self.restore.append(wrap_method(self.model, mp, self._begin, self._end))
         return self
 
     def _begin(self, path: str) -> None:
         parent = self.open[-1] if self.open else -1
-        self.done.append((path, parent, self._mark(), None))
+        self.done.append((path, parent, self._mark(), None, self.step))
         self.open.append(len(self.done) - 1)
 
     def _end(self) -> None:
         if self.open:
             i = self.open.pop()
-            p, parent, start, _ = self.done[i]
-            self.done[i] = (p, parent, start, self._mark())
+            p, parent, start, _, step = self.done[i]
+            self.done[i] = (p, parent, start, self._mark(), step)
 
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
-        _unwrap(self.restore)
+        self.handles.clear()
+        unwrap(self.restore)
 
-    def calls_ms(self) -> list[tuple[str, int, float]]:
+    def calls_ms(self) -> list[tuple[str, int, float, int]]:
+        """(path, parent index, ms, step) of each timed call, in the order they began."""
         if self.cuda:
             torch.cuda.synchronize()
         out = []
-        for path, parent, start, end in self.done:
+        for path, parent, start, end, step in self.done:
             if end is None:
                 ms = 0.0
             elif self.cuda:
                 ms = float(start.elapsed_time(end))
             else:
                 ms = (end - start) * 1e3
-            out.append((path, parent, ms))
+            out.append((path, parent, ms, step))
         return out
 
 
-def fold_times(obs: Observation, calls: list[tuple[str, int, float]], *,
-               overhead_ms: float = 0.0, scale: float = 1.0) -> None:
+def fold_times(obs: Observation, calls: list[tuple[str, int, float]]) -> None:
     """Per-path total and self time from timed calls (self = total - direct children).
 
-    Each span is first corrected for the hooks of the calls nested inside it: ``overhead_ms``
-    (the hooks' cost per call) for every descendant, but never below ``scale`` (bare step /
-    hooked step) times the span. The floor matters where the step's time is noisy: an
-    overhead taken from two noisy steps could otherwise zero the span of a large subtree, whose
-    many descendants each take it off. Then the children of a call are scaled to fit inside
-    it. Calls come in the order they began, so a parent's index is below its children's: one
-    backward pass counts the descendants, and one forward pass fits children to parents.
+    Calls come in the order they began, so a parent's index is below its children's. The spans
+    are taken as they are: surgery.planning.level_timing times them so that none holds the
+    hooks of another, and takes the hooks' own part off each.
     """
-    below = [0] * len(calls)
-    for i in range(len(calls) - 1, -1, -1):
-        parent = calls[i][1]
-        if parent >= 0:
-            below[parent] += below[i] + 1
-    span = [max(ms * scale, ms - overhead_ms * below[i]) for i, (_p, _q, ms) in enumerate(calls)]
-    # Children never add up to more than their parent: where the correction left them larger
-    # (a leaf's span is mostly hook time), they share the parent's span in proportion.
-    kids = [0.0] * len(calls)
-    for i, (_path, parent, _ms) in enumerate(calls):
-        if parent >= 0:
-            kids[parent] += span[i]
-    for i, (_path, parent, _ms) in enumerate(calls):  # parents first: they began first
-        if parent >= 0 and kids[parent] > span[parent]:
-            span[i] *= span[parent] / kids[parent]
-    fixed = [(path, parent, span[i]) for i, (path, parent, _ms) in enumerate(calls)]
-    child_sum = [0.0] * len(fixed)
-    for _path, parent, ms in fixed:
+    child_sum = [0.0] * len(calls)
+    for _path, parent, ms in calls:
         if parent >= 0:
             child_sum[parent] += ms
-    for i, (path, _parent, ms) in enumerate(fixed):
+    for i, (path, _parent, ms) in enumerate(calls):
         obs.total_ms[path] = obs.total_ms.get(path, 0.0) + ms
         obs.self_ms[path] = obs.self_ms.get(path, 0.0) + max(0.0, ms - child_sum[i])
-    obs.timed_calls = fixed
+    obs.timed_calls = list(calls)
 
 
-def _sync(cuda: bool) -> None:
+def sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
 
 
-def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Callable[..., None],
+def wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Callable[..., None],
                  *, with_args: bool = False) -> tuple[nn.Module, str, bool, Any]:
     """Wrap the method ``mp`` (``module.path.method``) on its instance; returns what undoes it.
     With ``with_args``, ``begin`` gets (mp, args, kwargs) and ``end`` the method's output."""
@@ -219,7 +215,7 @@ def _wrap_method(model: nn.Module, mp: str, begin: Callable[..., None], end: Cal
     return undo
 
 
-def _unwrap(restore: list[tuple[nn.Module, str, bool, Any]]) -> None:
+def unwrap(restore: list[tuple[nn.Module, str, bool, Any]]) -> None:
     for mod, name, had, own in reversed(restore):
         if had:
             mod.__dict__[name] = own

@@ -16,21 +16,21 @@ What it records, and why each thing is needed to choose a compile region:
   into its ``__dict__`` (``_object_token``), so a cache that an attention appends to is seen
   changing even where every decode call has a signature of its own (a mask that grows with the
   cache), which would otherwise leave "same arguments, other ops inside" nothing to compare.
-- **Time**, in two more phases without the function mode. First the *bare* step: STEP itself,
+- **Time**, in more phases without the function mode. First the *bare* step: STEP itself,
   timed around its call (a synchronise before and after on a GPU), with no hook installed. That
   is the figure that counts (the fastest of the bare steps: a shared host preempts at random),
   and every share is a share of it: a step may never go through the root module's
   ``__call__`` (``model.forward(x)``, ``model.generate(...)``, a loop), so the root's hooks
-  cannot time it. Then the *hooked* step: CUDA events recorded around each module
-  call on a GPU (no synchronise per call), the perf_counter elsewhere, or a clock the caller
-  injects (tests). Self time is total minus the direct children's totals.
-- **The hooks' overhead** inflates every span by the hooks of the calls inside it (on a
-  launch-bound GPU step the host's hook time delays the launches, so the events see it too).
-  Per call it is (hooked step - bare step) / calls a step; each call's span is corrected by that
-  much for every call nested inside it, never below the span scaled by bare / hooked
-  (surgery.planning.observation.fold_times). What remains is the error of that average (hooks
-  differ in cost, and a GPU-bound span hides host time), so ``hook_overhead_ms`` is reported
-  beside the corrected figures.
+  cannot time it. Then the module calls, one nesting level a pass
+  (surgery.planning.level_timing): CUDA events recorded around each call of that level on a GPU
+  (no synchronise per call), the perf_counter elsewhere, or a clock the caller injects (tests).
+  No span holds the hooks of a call inside it, so a launch-bound GPU step, where the hooks' host
+  time delays the launches, does not inflate a module by the hooks below it; the hooks' own part
+  inside each span is calibrated and taken off. Self time is total minus the direct children's
+  totals.
+- **The hooks' overhead** that remains is reported: ``hook_overhead_ms`` (the slowest pass's
+  step against the bare one: time that falls between spans) and the calibrated part inside each
+  span (``hook_ms_per_call``, taken off).
 - **Memory**: each call's tensor inputs and outputs (addresses and bytes) and when its outputs
   are freed, from which surgery.planning.graph_estimate estimates what region graphs will hold;
   on a GPU, the bare steps' peak allocated memory.
@@ -53,15 +53,15 @@ from torch.overrides import TorchFunctionMode
 
 from surgery.errors import ModelSourceError
 from surgery.planning.graph_estimate import OutputWatch, record_inputs
+from surgery.planning.level_timing import calibrate, time_levels
 from surgery.planning.observation import (
     Call,
     Clock,
     Observation,
-    _sync,
-    _Timer,
-    _unwrap,
-    _wrap_method,
     fold_times,
+    sync,
+    unwrap,
+    wrap_method,
 )
 from surgery.runtime.signatures import Signature, bind_args, context, describe
 
@@ -242,13 +242,13 @@ class _Watcher:
                     self.freed.outputs(self.stack[-1], out)
                 self._exit(mod)
 
-            self.restore.append(_wrap_method(self.model, mp, begin, end, with_args=True))
+            self.restore.append(wrap_method(self.model, mp, begin, end, with_args=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
-        _unwrap(self.restore)
+        unwrap(self.restore)
         self.handles.clear()
         self.freed.close()
 
@@ -259,10 +259,11 @@ class _Watcher:
 def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 4,
             timed_steps: int = 3, methods: Sequence[str] = (), clock: Clock | None = None,
             autocast: torch.dtype | None = None) -> Observation:
-    """Run ``step(model)`` ``steps`` times watched, then ``timed_steps`` bare and as many hooked.
+    """Run ``step(model)`` ``steps`` times watched, then ``timed_steps`` bare and as many for
+    each nesting level of the calls (surgery.planning.level_timing).
 
-    Module times are per step (summed over a path's calls, averaged over the hooked steps, and
-    corrected for the hooks' overhead); ``step_ms`` is the fastest bare step, timed around STEP.
+    Module times are of one step (the last watched step's calls, each its fastest span over the
+    timed steps); ``step_ms`` is the fastest bare step, timed around STEP.
     With ``autocast`` every step runs under ``torch.autocast`` of the model's device type. The
     step runs with any torch.compile of its own ignored (``force_eager``): the plan is of the
     eager step. Raises ModelSourceError when the step runs no module of the model.
@@ -292,10 +293,10 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
 
     def timed() -> float:
         """One step, timed around STEP itself (ms)."""
-        _sync(cuda)
+        sync(cuda)
         t = clock_fn()
         run()
-        _sync(cuda)
+        sync(cuda)
         return (clock_fn() - t) * 1e3
 
     obs = Observation(steps=steps)
@@ -314,7 +315,7 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
         for i in range(steps):
             w.step = i
             run()
-    _sync(cuda)
+    sync(cuda)
     obs.watched_step_ms = (clock_fn() - t0) * 1e3 / steps
     obs.calls = w.calls
     if not w.calls:
@@ -330,35 +331,29 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
     bare = [timed() for _ in range(timed_steps)]  # no hook installed: the figure that counts
     if cuda:  # the eager peak, which plan's estimate of the peak with graphs adds to
         obs.eager_peak_bytes = int(torch.cuda.max_memory_allocated())
-    timer = _Timer(model, cuda=cuda, clock=clock, methods=methods)
-    timer.reserve(2 * len(w.calls) // steps * timed_steps + 64)  # two marks a call
-    with timer:
-        hooked = [timed() for _ in range(timed_steps)]
+    # Module times, one nesting level a pass (surgery.planning.level_timing): no span holds the
+    # hooks of a call inside it.
+    cost = calibrate(cuda=cuda, clock=clock)
+    lt = time_levels(model, timed, calls=w.calls, methods=methods, cuda=cuda, clock=clock,
+                     timed_steps=timed_steps, cost=cost)
     # The fastest of each: a shared host preempts steps at random, and a preempted step says
     # nothing about the model (timeit's rule).
     obs.bare_step_ms = min(bare)
-    obs.hooked_step_ms = min(hooked)
-    calls = timer.calls_ms()
-    if not calls or obs.bare_step_ms <= 0:
-        what = "no module call was timed" if not calls else "the step took no measurable time"
+    obs.hooked_step_ms = max(lt.pass_step_ms)
+    if not lt.timed or obs.bare_step_ms <= 0:
+        what = "no module call was timed" if not lt.timed else "the step took no measurable time"
         raise ModelSourceError(f"the --input step could not be timed: {what}",
                                hint="make STEP(model) run the model on every call (not a "
                                     "cached result), and time at least one step")
-    per_call = max(0.0, obs.hooked_step_ms - obs.bare_step_ms) * timed_steps / len(calls)
-    fold_times(obs, calls, overhead_ms=per_call,
-               scale=min(1.0, obs.bare_step_ms / obs.hooked_step_ms)
-               if obs.hooked_step_ms > 0 else 1.0)
     # On a noisy host the module calls can still add up to more than the bare step: scale them
     # down to it, so that no share exceeds the step and the remainders add up.
-    top = sum(ms for _p, parent, ms in obs.timed_calls if parent < 0) / timed_steps
+    top = sum(ms for _p, parent, ms in lt.calls if parent < 0)
     fit = min(1.0, obs.bare_step_ms / top) if top > 0 else 1.0
-    obs.timed_calls = [(p, parent, ms * fit) for p, parent, ms in obs.timed_calls]
-    for d in (obs.total_ms, obs.self_ms):
-        for k in d:
-            d[k] *= fit / timed_steps
+    fold_times(obs, [(p, parent, ms * fit) for p, parent, ms in lt.calls])
     obs.step_ms = obs.bare_step_ms
     obs.timed_steps = timed_steps
-    obs.hook_ms_per_call = per_call
-    obs.clock = "injected" if clock is not None else ("cuda-events" if timer.cuda
-                                                      else "perf_counter")
+    obs.hook_ms_per_call = cost.inner_ms
+    obs.hook_pair_ms = cost.pair_ms
+    obs.timing_passes = len(lt.pass_step_ms)
+    obs.clock = "injected" if clock is not None else ("cuda-events" if cuda else "perf_counter")
     return obs
