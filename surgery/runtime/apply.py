@@ -74,8 +74,7 @@ from surgery.runtime.warm_loader import KeyPrefetch, mark_step
 __all__ = [
     "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
     "ManifestSource", "RegionFallbackWarning", "RegionRecord", "SurgeryWarning", "apply_manifest",
-    "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path",
-]
+    "check_fingerprint", "mark_step", "plan_region", "resolve_manifest", "resolve_path"]
 
 class ApplyHandle:
     """A live application of a manifest. ``restore()`` (or leaving the ``with``) undoes it."""
@@ -94,7 +93,8 @@ class ApplyHandle:
         self.route: StreamRoute | None = None  # default-stream calls onto the side stream
 
     def save_cache(self, path: str | os.PathLike[str] | None = None, *, force: bool = True,
-                   key: bytes | None = None, precompile: bool = True) -> SavedBundle:
+                   key: bytes | None = None, precompile: bool = True, aoti: bool = False
+                   ) -> SavedBundle:
         """Write this process's compile caches as a bundle bound to the manifest (after warm-up).
 
         ``path`` defaults to ``STEM.surgery.cache`` beside the manifest file (see
@@ -103,7 +103,7 @@ class ApplyHandle:
         loads it when its signature verifies and it fits. With ``precompile`` (and a torch that
         has the AOT path), each compiled group and signature seen in warm-up is also compiled
         ahead of time into the bundle, so that deployment runs it without dynamo
-        (surgery.runtime.precompiled); this traces each of them once more, here.
+        (surgery.runtime.precompiled); ``aoti``, an AOTInductor package (runtime.aoti_build).
         """
         if path is None:
             if not self.manifest.source_path:
@@ -114,7 +114,7 @@ class ApplyHandle:
         target = os.fspath(path)
         part = None
         if precompile:
-            section = build_section(self.groups)
+            section = build_section(self.groups, aoti=aoti, device=self._device)
             part = (section.data, section.record())
         saved = save_bundle(target, manifest=self.manifest, overrides=self._overrides,
                             device=self._device, force=force, key=key, precompiled=part)
@@ -310,7 +310,7 @@ def _install(mod: nn.Module, name: str, rec: RegionRecord, region: Region, plan:
             fullgraph=plan.fullgraph, dynamic=dynamic, marks=marks or None,
             shared=share(mod, plan, dynamic))  # pieces of a piecewise block of its class
         if precompiled is not None:
-            group.precompiled = precompiled.take(group.identity, target)
+            group.precompiled = precompiled.take(group.identity, target, bound=bound)
     slot = _Slot(mod, name, name in vars(mod), own, eager, rec, region, group, state,
                  budget=plan.max_signatures, names=parameter_names(eager))
     if dynamic is True:  # already dynamic: its budget counts compiles, not shapes

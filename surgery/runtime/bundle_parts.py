@@ -12,6 +12,14 @@ last line, "sha256:..."], checked against this process's modules before it is lo
 written before has none, and is read as before); and ``notes``, what was left to the Mega-Cache
 part and why.
 
+Record format 2 (PRECOMPILED_FORMAT_AOTI, written only when the bundle holds one) adds entries
+whose KIND_FIELD is AOTI_KIND: an AOTInductor package (a zip with a shared library,
+surgery.runtime.aoti_bundle) instead of a pickled artifact, with AOTI_FIELDS: ``constants``, the
+weights it takes as [fqn, [shape, strides, dtype, device type]] (checked against the module's
+before any is handed over), and ``inputs``, how many tensors it takes; SOURCES_FIELD is required
+in such an entry (the code the package embodies, checked before it is loaded). An entry without the
+field is a torch AOT artifact, as in format 1. A reader of format 1 only refuses format 2 whole.
+
 Both parts are under the one HMAC and ``format`` is in the signed metadata, so a format-3 file
 cannot be passed off as format 2 or cut into one. The record is the key holder's, yet every
 field is checked (types, bounds, order, modes from fixed lists): a builder's bug becomes an
@@ -27,6 +35,16 @@ from typing import Any
 FORMAT_PRECOMPILED = 3  # the bundle format whose blob is a Mega-Cache part, then this part
 PRECOMPILED_KEY = "precompiled"
 PRECOMPILED_FORMAT = 1
+PRECOMPILED_FORMAT_AOTI = 2  # entries may be AOTInductor packages
+READ_PRECOMPILED_FORMATS = (PRECOMPILED_FORMAT, PRECOMPILED_FORMAT_AOTI)
+KIND_FIELD = "kind"  # optional in an entry; absent: a torch AOT artifact
+AOTI_KIND = "aoti"
+AOTI_FIELDS = ("constants", "inputs")
+MAX_CONSTANTS = 4096  # weights one package may take
+MAX_RANK = 16
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
+                 "uint8", "bool")
+WEIGHT_DEVICES = ("cpu", "cuda")
 ENTRY_FIELDS = ("group", "signature", "modes", "offset", "bytes")
 SOURCES_FIELD = "sources"  # optional in an entry (absent in bundles written before it)
 MAX_SOURCES = 2048  # spans one entry may list (a BERT layer inlines a few dozen)
@@ -57,18 +75,33 @@ def split_blob(meta: Mapping[str, Any], blob: bytes) -> tuple[bytes, bytes]:
 
 
 Parsed = dict[str, dict[str, tuple[bytes, dict[str, Any], tuple[tuple[Any, ...], ...]]]]
+# {group identity: {signature text: (package bytes, modes, constants, inputs, source spans)}}
+AotiParsed = dict[str, dict[str, tuple[bytes, dict[str, Any], list[list[Any]], int,
+                                       tuple[tuple[Any, ...], ...]]]]
 
 
 def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> Parsed:
     """{group identity: {signature text: (artifact bytes, modes, inlined source spans)}} of a
     verified bundle ({} for format 2). Raises PrecompiledError naming the first problem."""
+    return parse_parts(meta, section)[0]
+
+
+def parse_aoti(meta: Mapping[str, Any], section: bytes) -> AotiParsed:
+    """The AOTInductor packages of a verified bundle ({} when it has none)."""
+    return parse_parts(meta, section)[1]
+
+
+def parse_parts(meta: Mapping[str, Any], section: bytes) -> tuple[Parsed, AotiParsed]:
+    """(torch AOT artifacts, AOTInductor packages) of a verified bundle's precompiled part.
+    Raises PrecompiledError naming the first problem."""
     if meta.get("format") != FORMAT_PRECOMPILED:
-        return {}
+        return {}, {}
     record = meta.get(PRECOMPILED_KEY)
-    if not isinstance(record, dict) or record.get("format") != PRECOMPILED_FORMAT:
-        fmt = record.get("format") if isinstance(record, dict) else None
+    fmt = record.get("format") if isinstance(record, dict) else None
+    if fmt not in READ_PRECOMPILED_FORMATS or type(fmt) is not int:
         raise PrecompiledError(f"precompiled record format {str(fmt)[:20]!r}, this surgery "
-                               f"reads format {PRECOMPILED_FORMAT}")
+                               f"reads formats {READ_PRECOMPILED_FORMATS}")
+    assert isinstance(record, dict)
     entries = record.get("entries")
     if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
         raise PrecompiledError(f"precompiled entries are not a list of at most {MAX_ENTRIES}")
@@ -76,6 +109,7 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> Parsed:
         raise PrecompiledError(f"the precompiled part is {len(section)} bytes, its record "
                                f"says {str(record.get('bytes'))[:20]}")
     out: Parsed = {}
+    aoti: AotiParsed = {}
     end = 0
     for e in entries:
         if not isinstance(e, dict) or not all(k in e for k in ENTRY_FIELDS):
@@ -92,12 +126,59 @@ def parse_precompiled(meta: Mapping[str, Any], section: bytes) -> Parsed:
             raise PrecompiledError("a precompiled entry's offset or length is outside its "
                                    "part, or entries overlap")
         end = off + n
+        kind = e.get(KIND_FIELD)
+        if kind is not None and (fmt != PRECOMPILED_FORMAT_AOTI or kind != AOTI_KIND):
+            raise PrecompiledError(f"a precompiled entry's kind is {str(kind)[:20]!r} (only "
+                                   f"{AOTI_KIND!r}, in record format {PRECOMPILED_FORMAT_AOTI})")
+        if kind == AOTI_KIND:
+            if sig in aoti.setdefault(group, {}):
+                raise PrecompiledError("two AOTInductor packages for one group and signature")
+            if SOURCES_FIELD not in e:
+                raise PrecompiledError(f"an AOTInductor entry lacks {SOURCES_FIELD}")
+            aoti[group][sig] = (section[off:off + n], modes, *_aoti_fields(e),
+                                _sources(e[SOURCES_FIELD]))
+            continue
         if sig in out.setdefault(group, {}):
             raise PrecompiledError("two precompiled entries for one group and signature")
         out[group][sig] = (section[off:off + n], modes, _sources(e.get(SOURCES_FIELD, [])))
     if end != len(section):
         raise PrecompiledError("the precompiled part has bytes no entry covers")
-    return out
+    return {k: v for k, v in out.items() if v}, aoti
+
+
+def record_format(entries: list[dict[str, Any]]) -> int:
+    """The record format a list of entries is written in (2 only with an AOTInductor one)."""
+    aoti = any(e.get(KIND_FIELD) == AOTI_KIND for e in entries)
+    return PRECOMPILED_FORMAT_AOTI if aoti else PRECOMPILED_FORMAT
+
+
+def _ints(v: Any, n: int | None = None) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_RANK and (n is None or len(v) == n) and all(
+        type(x) is int and 0 <= x < 2**48 for x in v)
+
+
+def _aoti_fields(e: Mapping[str, Any]) -> tuple[list[list[Any]], int]:
+    """An AOTInductor entry's weights and input count, checked (see the module doc)."""
+    if not all(k in e for k in AOTI_FIELDS):
+        raise PrecompiledError(f"an AOTInductor entry lacks one of {', '.join(AOTI_FIELDS)}")
+    consts, inputs = e["constants"], e["inputs"]
+    if type(inputs) is not int or not 0 <= inputs <= MAX_ENTRIES:
+        raise PrecompiledError("an AOTInductor entry's input count is not a small integer")
+    if not isinstance(consts, list) or len(consts) > MAX_CONSTANTS:
+        raise PrecompiledError(f"an AOTInductor entry's constants are not a list of at most "
+                               f"{MAX_CONSTANTS}")
+    seen = set()
+    for c in consts:
+        ok = isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and \
+            0 < len(c[0]) <= 400 and c[0].isprintable() and c[0] not in seen and \
+            isinstance(c[1], list) and len(c[1]) == 4 and _ints(c[1][0]) and \
+            _ints(c[1][1], len(c[1][0])) and c[1][2] in WEIGHT_DTYPES and \
+            c[1][3] in WEIGHT_DEVICES
+        if not ok:
+            raise PrecompiledError("an AOTInductor entry's constant is not [fqn, [shape, "
+                                   "strides, dtype, device]]")
+        seen.add(c[0])
+    return consts, inputs
 
 
 def _sources(spans: Any) -> tuple[tuple[Any, ...], ...]:

@@ -41,7 +41,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from surgery import __version__
@@ -64,9 +64,10 @@ from surgery.runtime.bundle_env import ENV_KEYS, environment, environment_withou
 from surgery.runtime.bundle_parts import (
     FORMAT_PRECOMPILED,
     PRECOMPILED_KEY,
+    AotiParsed,
     Parsed,
     count_entries,
-    parse_precompiled,
+    parse_parts,
     split_blob,
 )
 from surgery.runtime.signing import load_key, require_key
@@ -105,6 +106,8 @@ class OpenedBundle:
     loaded: bool
     reason: str
     precompiled: Parsed
+    aoti: AotiParsed = field(default_factory=dict)  # AOTInductor packages, trusted likewise
+    pending: bytes | None = None  # the Mega-Cache part, verified, not yet given to torch
 
 
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
@@ -115,10 +118,12 @@ def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
 
 
 def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-                device: str) -> OpenedBundle:
+                device: str, defer: bool = False) -> OpenedBundle:
     """Hand the bundle's Mega-Cache part to ``torch.compiler.load_cache_artifacts``, and return
     its precompiled part, if, and only if, it is signed with the deployer's key
-    (surgery.runtime.signing) and fits this manifest and machine.
+    (surgery.runtime.signing) and fits this manifest and machine. With ``defer`` and AOTInductor
+    packages in the bundle, the Mega-Cache part is returned unloaded (``pending``): runners need
+    none of it, and its load imports inductor's caches (surgery.runtime.aoti_bundle).
 
     Never raises for a bad bundle: the caller compiles as usual. No byte of the bundle reaches
     torch, or the caller, unless every check passed.
@@ -129,28 +134,38 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
         return OpenedBundle(False, one_line(f"{path}: unreadable ({type(e).__name__})"), {})
     if parts is None:
         return OpenedBundle(False, one_line(why), {})
-    blob, precompiled = parts
+    blob, precompiled, aoti = parts
+    counts: dict[str, int] = {}
+    if not (defer and aoti):
+        failed, counts = load_megacache(path, blob)
+        if failed:
+            return OpenedBundle(False, failed, {})
+    if n := sum(len(v) for v in precompiled.values()):
+        counts["precompiled"] = n
+    if n := sum(len(v) for v in aoti.values()):
+        counts["AOTInductor"] = n
+    waits = "; its Mega-Cache part waits for the first compile" if defer and aoti else ""
+    return OpenedBundle(True, f"{path}: {_describe(counts)}{waits}", precompiled, aoti,
+                        blob if defer and aoti else None)
+
+
+def load_megacache(path: str, blob: bytes) -> tuple[str, dict[str, int]]:
+    """Give a verified Mega-Cache part to torch: ("", artifact counts), or (why not, {})."""
     import torch
 
     try:
         info = torch.compiler.load_cache_artifacts(blob)
     except Exception as e:  # torch's own deserialiser: any failure means "compile as usual"
-        return OpenedBundle(False, one_line(f"{path}: torch could not load it "
-                                            f"({type(e).__name__}: {e})"), {})
+        return one_line(f"{path}: torch could not load it ({type(e).__name__}: {e})"), {}
     if info is None:
-        return OpenedBundle(False, f"{path}: torch could not deserialise the blob (see its log "
-                            "above)", {})
-    counts = _artifact_counts(info)
-    n = sum(len(v) for v in precompiled.values())
-    if n:
-        counts["precompiled"] = n
-    return OpenedBundle(True, f"{path}: {_describe(counts)}", precompiled)
+        return f"{path}: torch could not deserialise the blob (see its log above)", {}
+    return "", _artifact_counts(info)
 
 
 def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-           device: str) -> tuple[tuple[bytes, Parsed] | None, str]:
-    """((Mega-Cache part, precompiled artifacts), "") when the bundle may be loaded, else
-    (None, why)."""
+           device: str) -> tuple[tuple[bytes, Parsed, AotiParsed] | None, str]:
+    """((Mega-Cache part, precompiled artifacts, AOTInductor packages), "") when the bundle
+    may be loaded, else (None, why)."""
     missing = _api_missing()
     if missing:
         return None, missing
@@ -165,7 +180,7 @@ def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None
         return None, f"{path} does not fit: " + "; ".join(why)
     assert blob is not None
     megacache, section = split_blob(meta, blob)  # read_bundle checked both parts
-    return (megacache, parse_precompiled(meta, section)), ""
+    return (megacache, *parse_parts(meta, section)), ""
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:

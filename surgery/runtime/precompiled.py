@@ -28,6 +28,12 @@ signature budget, fallback to eager, CUDA-graph capture and restore stay those o
 surgery.runtime.slots; a region graph may be captured on the first call, since nothing compiles
 in it (surgery.runtime.graphs.replay).
 
+AOTInductor runners. With ``save_cache(aoti=True)`` each (group, signature) that torch.export
+accepts also gets an AOTInductor package (surgery.runtime.aoti_build), in record format 2. A
+group takes a runner for each signature that has one, and artifacts only for the others: a
+warm start whose signatures all have runners never imports torch's Python loader (the loader's
+set-up runs before the first artifact, not before the first runner), nor unpickles an artifact.
+
 Trust. An artifact is code (a pickle of bytecode and kernels). Its bytes exist in memory only
 from a bundle whose HMAC verified with the deployer's key, and reach torch only once the bundle
 fits this manifest and machine (surgery.runtime.cache). Its index (read without torch by
@@ -52,8 +58,11 @@ from typing import Any
 import torch
 
 from surgery.formats.manifest import Manifest
+from surgery.runtime.aoti_build import build_entries
+from surgery.runtime.aoti_bundle import DeferredMegaCache, load_runners
+from surgery.runtime.aoti_bundle import api_missing as aoti_missing
 from surgery.runtime.bundle import default_bundle_path, one_line
-from surgery.runtime.bundle_parts import PRECOMPILED_FORMAT, SOURCES_FIELD, Parsed
+from surgery.runtime.bundle_parts import SOURCES_FIELD, AotiParsed, Parsed, record_format
 from surgery.runtime.cache import open_bundle
 from surgery.runtime.call_example import Example, modes_of
 from surgery.runtime.load_timing import LoaderSetup, LoadTiming, prepare_loader, timed
@@ -112,8 +121,8 @@ class Section:
     notes: list[str]
 
     def record(self) -> dict[str, Any]:
-        return {"format": PRECOMPILED_FORMAT, "bytes": len(self.data), "entries": self.entries,
-                "notes": self.notes}
+        return {"format": record_format(self.entries), "bytes": len(self.data),
+                "entries": self.entries, "notes": self.notes}
 
 
 def _compile_options(group: Any) -> tuple[str, dict[str, Any]]:
@@ -148,12 +157,27 @@ def precompile_one(group: Any, module: Any, example: Example) -> tuple[bytes, li
     return bytes(getattr(saved, "serialized_data", saved)), inlined_sources(fn)
 
 
-def build_section(groups: Iterable[Any]) -> Section:
+def build_section(groups: Iterable[Any], *, aoti: bool = False, device: str = "cpu") -> Section:
     """Precompile every (group, static signature) with an example; what could not be, in notes.
 
     ``groups``: surgery.runtime.groups._Group objects that ran (their ``examples`` map a
     signature to (module, Example), recorded by surgery.runtime.slots on its first call).
+    ``aoti``: also build an AOTInductor package for each (surgery.runtime.aoti_build).
     """
+    groups = list(groups)
+    section = _build_artifacts(groups)
+    if aoti:
+        if missing := aoti_missing():
+            section.notes.append(missing)
+            return section
+        sources = {(e["group"], e["signature"]): e[SOURCES_FIELD] for e in section.entries}
+        blob, extra, notes = build_entries(groups, device=device, signature_text=signature_text,
+                                           offset=len(section.data), sources=sources)
+        section = Section(section.data + blob, section.entries + extra, section.notes + notes)
+    return section
+
+
+def _build_artifacts(groups: Iterable[Any]) -> Section:
     notes: list[str] = []
     if missing := api_missing():
         return Section(b"", [], [missing])
@@ -233,6 +257,11 @@ class Loaded:
 
     entries: Parsed
     device: str = "cpu"  # where the model is: on CUDA, kernels load without a compile pool
+    aoti: AotiParsed = field(default_factory=dict)  # AOTInductor packages (preferred)
+    keys: KeyPrefetch | None = None  # waited for before the first artifact (not runner) loads
+    prepared: bool = False  # whether the loader's set-up ran (before the first artifact)
+    deferred: DeferredMegaCache | None = None  # the Mega-Cache part, when runners are in it
+    aoti_loaded: int = 0
     used: set[str] = field(default_factory=set)
     stale: str = ""  # why a group's inlined code is not this process's (the first one)
     loaded: int = 0
@@ -242,41 +271,57 @@ class Loaded:
     # per group identity, per artifact in load order
     timings: dict[str, list[LoadTiming]] = field(default_factory=dict)
 
-    def take(self, identity: str | None, target: Callable[..., Any]) -> dict[str, Artifact]:
-        """The loaded artifacts for a group (signature text -> Artifact); {} when none fit.
-
-        An artifact torch cannot load makes the whole group compile with dynamo; the first
-        such failure is kept in ``failed`` for the one warning.
+    def take(self, identity: str | None, target: Callable[..., Any], *, bound: bool = True
+             ) -> dict[str, Any]:
+        """The loaded code for a group (signature text -> AotiRunner or Artifact); {} when none
+        fits. Runners first; artifacts for the signatures without one (or all, when a package
+        cannot be loaded). An artifact torch cannot load leaves the group its runners and
+        dynamo; the first failure of either is kept in ``failed`` for the one warning.
         """
-        if identity is None or identity not in self.entries or identity in self.used:
+        if identity is None or identity in self.used or \
+                (identity not in self.entries and identity not in self.aoti):
             return {}
         name = qualname_of(target)
-        for _, _, sources in self.entries[identity].values():
-            if why := sources_problem(sources):  # before a byte of it is unpickled
+        for *_, sources in [*self.entries.get(identity, {}).values(),
+                            *self.aoti.get(identity, {}).values()]:
+            if why := sources_problem(sources):  # before a byte of it is unpickled or loaded
                 self.stale = self.stale or f"{name}: {why}"
                 return {}
-        self.used.add(identity)
-        out: dict[str, Artifact] = {}
         started = time.perf_counter()
+        timings = self.timings.setdefault(identity, [])
+        runners, failed = load_runners(self.aoti.get(identity, {}), device=self.device,
+                                       bound=bound, timings=timings, name=name)
+        self.failed = self.failed or failed
+        self.used.add(identity)
+        self.aoti_loaded += len(runners)
+        self.loaded += len(runners)
+        rest = {s: v for s, v in self.entries.get(identity, {}).items() if s not in runners}
+        out: dict[str, Any] = dict(runners)
         try:
-            for i, (sig, (data, modes, _)) in enumerate(self.entries[identity].items()):
+            if rest and self.deferred is not None:  # its autotune entries serve artifacts
+                self.deferred.load("artifact")
+            if rest and not self.prepared:  # the loader's one-time cost, apart from the first
+                self.prepared = True
+                self.setup = prepare_loader(self.device, self.keys)
+            for i, (sig, (data, modes, _)) in enumerate(rest.items(), start=len(timings)):
                 try:
-                    with timed(self.timings.setdefault(identity, []), name, i), \
-                            modes_of(modes), serial_kernel_loads(self.device):
+                    with timed(timings, name, i), modes_of(modes), \
+                            serial_kernel_loads(self.device):
                         fn = _load_function(data, target)
                 except Exception as e:  # torch's deserialiser, or its compatibility check
                     first = (str(e).strip().splitlines() or [""])[0][:200]
                     self.failed = self.failed or f"{name}: {type(e).__name__}: {first}"
-                    return {}
+                    return runners
                 out[sig] = Artifact(fn)
         finally:
             self.seconds[identity] = time.perf_counter() - started
-        self.loaded += len(out)
+        self.loaded += len(out) - len(runners)
         return out
 
     def unused(self) -> int:
         """Artifacts of groups that no installed group matched (stale code or options)."""
-        return sum(len(v) for k, v in self.entries.items() if k not in self.used)
+        return sum(len(v) for k, v in self.entries.items() if k not in self.used) + \
+            sum(len(v) for k, v in self.aoti.items() if k not in self.used)
 
 
 # --- apply_manifest(..., cache=...) -------------------------------------------------------------
@@ -297,11 +342,14 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
     pre = None
     if path:
         with serial_kernel_loads(device):  # a torch whose import starts the pool does not
-            opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device)
+            opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device,
+                                 defer=aoti_missing() is None)
         loaded, why = opened.loaded, opened.reason
-        pre = Loaded(opened.precompiled, device=device) if opened.precompiled else None
-        if pre is not None:  # the loader's one-time cost, apart from the first group's
-            pre.setup = prepare_loader(device, keys)
+        pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=keys) \
+            if opened.precompiled or opened.aoti else None
+        if pre is not None and opened.pending is not None:
+            pre.deferred = DeferredMegaCache(path, opened.pending, device=device)
+            pre.deferred.arm()
     if not loaded:
         notes.append(f"compile-cache bundle ignored: {why}")
         warnings.warn(f"surgery: compile-cache bundle ignored, compiling as usual: {why}",
@@ -313,6 +361,7 @@ def report_use(pre: Loaded, record: CacheRecord, *, notes: list[str]) -> None:
     """Say how much precompiled code the groups took; warn once about what of it could not be
     used (torch could not load it, or no group has its code and options: stale)."""
     record.precompiled, record.precompiled_unused = pre.loaded, pre.unused()
+    record.aoti = pre.aoti_loaded
     problems = ([f"torch could not load one ({pre.failed})"] if pre.failed else []) + (
         [f"{pre.unused()} artifact(s) match no region group here (its code or compile options "
          "changed since the bundle was built" + (f"; {pre.stale}" if pre.stale else "") + ")"]

@@ -284,6 +284,7 @@ class CacheRecord:
     counts: dict[str, int] = field(default_factory=dict)
     precompiled: int = 0  # artifacts loaded precompiled (surgery.runtime.precompiled)
     precompiled_unused: int = 0  # artifacts of the bundle no region group matched (stale)
+    aoti: int = 0  # of those, AOTInductor runners (surgery.runtime.aoti_bundle)
 
     def line(self) -> str:
         c = self.counts
@@ -297,7 +298,8 @@ class CacheRecord:
             state = "compile cache: no bundle given"
         else:
             state = f"compile cache: {'loaded' if self.loaded else 'ignored'} ({self.reason})"
-        pre = (f"; {self.precompiled} precompiled artifact(s) installed (no dynamo trace)"
+        pre = (f"; {self.precompiled} precompiled artifact(s) installed (no dynamo trace"
+               + (f", {self.aoti} of them AOTInductor runners" if self.aoti else "") + ")"
                if self.precompiled else "") + (
             f", {self.precompiled_unused} stale" if self.precompiled_unused else "")
         return state + pre + hits + (f"; saved to {self.saved_to}" if self.saved_to else "")

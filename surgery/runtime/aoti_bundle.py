@@ -1,0 +1,306 @@
+"""AOTInductor runners in the bundle: region code that starts without torch's Python compiler.
+
+Why. A precompiled artifact (surgery.runtime.precompiled) skips dynamo, but loading it imports
+inductor's Python: its loader rebuilds an FX-graph cache entry (``GraphLowering`` -> lowering ->
+kernel templates) and inductor's generated module imports its codegen, AOTAutograd and networkx.
+On the H200 (issue 23) that was 2.1-2.7 s of a 4.7 s warm start, under the GIL. An AOTInductor
+package (``torch._inductor.aoti_compile_and_package``) is a shared library with the kernels
+inside; ``torch._C._aoti.AOTIModelPackageLoader`` (C++, bound in torch._C) extracts it and
+``dlopen``s it, and its ``run`` launches the kernels. Nothing of ``torch._inductor`` is imported
+(measured on torch 2.14: 2 new modules, 13 ms for a two-Linear block).
+
+What is packaged (surgery.runtime.aoti_build). Per compiled group and static signature whose
+example torch.export accepts: the region's function, exported around its module, compiled by
+AOTInductor without its weights (``aot_inductor.package_constants_in_so=False``). Only calls with
+grad off (``no_grad`` or ``inference_mode``), no autocast, and arguments whose non-tensor values
+are in the signature by value (ints, bools, strings, None; no float, no nested dict): export
+specialises every other value, and the runner keeps no autograd graph. Each package is loaded
+back and run twice before it is written: on the module's weights, and on random weights of the
+same layout, against the region run eagerly on the same weights; a package whose output does not
+follow the weights it is given (torch folded one into the library) is not written.
+
+Whose weights. One loader per package, shared by every path of the group. Its constants are the
+calling module's own parameters and buffers, handed over by pointer (``load_constants(...,
+user_managed=True)``: nothing copied, an in-place update is seen), rebound when another path
+calls (3-5 us on the 2-core CPU) and when a weight of the module was replaced or moved (its
+object or its ``data_ptr`` changed). Before they are handed over, each one's shape, strides, dtype
+and device are checked against the layout the package was built for: the runner checks nothing
+itself (measured: it runs on wrong-shaped inputs and weights), so a mismatch would read or write
+out of bounds. One that does not match: the call goes to dynamo (guards failed, as an artifact's).
+
+Checks before every run. The artifact is chosen by the call's full signature (grad, inference
+and autocast modes, ``training``, every tensor's shape, strides, dtype, device, requires_grad and
+inference flag, every scalar: surgery.runtime.budget), so a call reaches the runner only with the
+layout it was built for; the weights are checked as above; the inputs handed over are the
+tensors of (args, kwargs in the export's order), counted against the package's inputs. A failure
+of the runner itself raises, and surgery.runtime.slots falls back to eager with a note.
+
+The Mega-Cache part waits. Runners need none of torch's compile caches, and loading them
+(``load_cache_artifacts``) imports inductor's code cache and Triton's language modules (120
+modules on the 2-core CPU). A bundle with packages is opened with its Mega-Cache part held back
+(``DeferredMegaCache``) and given to torch before anything else could use it: before the first
+torch AOT artifact loads (surgery.runtime.precompiled), and at the start of the process's next
+dynamo compile, whichever region, path or signature it is for (torch's own compile-start
+callback, ``torch._dynamo.callback.callback_handler``; on a torch without it, at once). A part
+that torch then cannot load is reported in one warning, and compiles go on without it.
+
+Trust. A package is native code: it reaches ``dlopen`` only from a bundle whose HMAC verified
+with the deployer's key and which fits this manifest and machine (surgery.runtime.cache); a
+forged, stale or truncated bundle never gets that far. The bytes loaded are the verified bytes:
+written by this process into a directory it has just made (``mkdtemp``, mode 0700, the file
+``O_EXCL``), never a path another process could have planted or can rewrite; the loader extracts
+them into a directory of its own (``mkdtemp``) and the file is removed once it has. Before that,
+the archive's directory is read (``zipfile``, no extraction): at most MAX_MEMBERS members, names
+relative, inside one top folder, without ``..``, backslashes or control characters, no links, at
+most MAX_UNPACKED bytes in all (a 100 KB bundle cannot expand to more than that on disk), and at
+most one library. A zip that fails any of these is ignored with the bundle's one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import stat
+import tempfile
+import threading
+import warnings
+import weakref
+import zipfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from surgery.runtime.cache import load_megacache
+from surgery.runtime.load_timing import LoadTiming, timed
+from surgery.runtime.report import CacheIgnoredWarning
+from surgery.runtime.warm_loader import serial_kernel_loads
+
+MODEL_NAME = "model"  # the name torch packages a single AOTInductor model under
+# What the exported wrapper calls the region's module (surgery.runtime.aoti_build.Region): a
+# package's weights are named PREFIX + their fqn in the module; an index lists them without it.
+PREFIX = "inner."
+MAX_MEMBERS = 4096  # files one package may hold (a block's has about ten)
+MAX_UNPACKED = 2 * 2**30  # bytes one package may unpack to (its .so and kernel binaries)
+
+
+def api_missing() -> str | None:
+    """Why this torch cannot load AOTInductor packages (None: it can)."""
+    aoti = getattr(torch._C, "_aoti", None)
+    if aoti is None or not hasattr(aoti, "AOTIModelPackageLoader"):
+        return f"torch {torch.__version__} has no torch._C._aoti.AOTIModelPackageLoader"
+    return None
+
+
+def archive_problem(data: bytes) -> str | None:
+    """Why these bytes are not a package surgery would extract (None: they are)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        return f"not a zip archive ({type(e).__name__})"
+    if not infos or len(infos) > MAX_MEMBERS:
+        return f"{len(infos)} members (1 to {MAX_MEMBERS} allowed)"
+    tops, names, total, libs = set(), set(), 0, 0
+    for info in infos:
+        name = info.filename
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or ".." in parts or \
+                not all(c.isprintable() for c in name) or ":" in parts[0]:
+            return f"member name {name[:80]!r} is not a plain relative path"
+        if name in names:
+            return f"member {name[:80]!r} appears twice"
+        mode = info.external_attr >> 16
+        if stat.S_ISLNK(mode):
+            return f"member {name[:80]!r} is a link"
+        names.add(name)
+        tops.add(parts[0])
+        total += info.file_size
+        libs += name.endswith(".so")
+    if len(tops) != 1:
+        return f"members under {len(tops)} top folders (one expected)"
+    if total > MAX_UNPACKED:
+        return f"unpacks to {total} bytes (at most {MAX_UNPACKED})"
+    if libs != 1:
+        return f"{libs} shared libraries (one expected)"
+    return None
+
+
+def open_package(data: bytes, *, device: str) -> Any:
+    """A loader for verified package bytes (see the module doc): raises ValueError for an
+    archive that fails the checks, and whatever torch raises for one it cannot load."""
+    if why := archive_problem(data):
+        raise ValueError(f"AOTInductor package refused: {why}")
+    index = torch.device(device).index if device.startswith("cuda") else -1
+    folder = tempfile.mkdtemp(prefix="surgery-aoti-")
+    path = os.path.join(folder, "package.pt2")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        # run_single_threaded: no model pool, whose event waits a CUDA-graph capture forbids
+        return torch._C._aoti.AOTIModelPackageLoader(path, MODEL_NAME, True, 1,
+                                                     -1 if index is None else index)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
+def layout_of(t: torch.Tensor) -> list[Any]:
+    """A weight's layout as an index stores it: [shape, strides, dtype, device type]."""
+    return [list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch."),
+            t.device.type]
+
+
+def _owner(module: nn.Module, fqn: str) -> tuple[dict[str, Any], str] | None:
+    """The parameter or buffer dict of ``module`` holding ``fqn``, and its name there."""
+    *path, name = fqn.split(".")
+    owner: Any = module
+    for p in path:
+        owner = owner._modules.get(p) if isinstance(owner, nn.Module) else None
+        if owner is None:
+            return None
+    for d in (owner._parameters, owner._buffers):
+        if d.get(name) is not None:
+            return d, name
+    return None
+
+
+class _Bound:
+    """What a module handed to the runner: where its weights live, and which tensors they were."""
+
+    def __init__(self, refs: list[tuple[dict[str, Any], str]]) -> None:
+        self.refs = refs
+        self.tensors: list[Any] = []
+        self.ptrs: list[int] = []
+
+    def current(self) -> list[Any]:
+        return [d.get(n) for d, n in self.refs]
+
+
+class AotiRunner:
+    """One loaded package: a precompiled artifact's interface (``try_call``) over a C++ runner
+    (see the module doc). ``constants``: [[fqn, layout], ...] the package was built for, fqns
+    relative to the region's module."""
+
+    def __init__(self, loader: Any, constants: Sequence[Sequence[Any]], *, bound: bool,
+                 inputs: int) -> None:
+        self.loader = loader
+        self.bound = bound
+        self.inputs = inputs  # tensors the package takes
+        self.constants = [(str(f), list(lay)) for f, lay in constants]
+        wanted = set(loader.get_constant_fqns())
+        if wanted != {PREFIX + f for f, _ in self.constants}:
+            raise ValueError("the package's weights are not the ones its index lists")
+        in_spec = pytree.treespec_loads(loader.get_call_spec()[0])
+        kw_spec = (in_spec.child(1) if hasattr(in_spec, "child")  # torch 2.13+; before:
+                   else in_spec.children_specs[1]) if in_spec.num_children == 2 else None
+        self._kw_order = list(kw_spec.context or []) if kw_spec is not None else []
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self._modules: weakref.WeakKeyDictionary[nn.Module, _Bound] = \
+            weakref.WeakKeyDictionary()
+        self._active: _Bound | None = None
+        self._lock = threading.Lock()
+        self.rebinds = 0  # how often weights were handed over (a report's figure)
+
+    def _bind(self, module: nn.Module) -> bool:
+        """Hand ``module``'s weights to the runner when they are not the ones it holds; False
+        when they are not of the layout it was built for (nothing is handed over then)."""
+        b = self._modules.get(module)
+        if b is None:
+            refs = [_owner(module, f) for f, _ in self.constants]
+            if any(r is None for r in refs):
+                return False
+            b = self._modules[module] = _Bound([r for r in refs if r is not None])
+        cur = b.current()
+        if b is self._active and all(x is y for x, y in zip(cur, b.tensors, strict=True)) and \
+                [t.data_ptr() for t in cur] == b.ptrs:
+            return True
+        for t, (_, want) in zip(cur, self.constants, strict=True):
+            if not isinstance(t, torch.Tensor) or layout_of(t) != want:
+                return False
+        self.loader.load_constants(
+            {PREFIX + f: t for (f, _), t in zip(self.constants, cur, strict=True)},
+            False, True, True)  # use_inactive, check_full_update, user_managed
+        b.tensors, b.ptrs = cur, [t.data_ptr() for t in cur]
+        self._active = b
+        self.rebinds += 1
+        return True
+
+    def try_call(self, full: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """(True, output) when the weights fit; (False, None) otherwise. The caller matched the
+        call's signature to the package's (surgery.runtime.groups)."""
+        module = full[0] if self.bound else None
+        args = full[1:] if self.bound else full
+        if set(kwargs) != set(self._kw_order):
+            return False, None
+        ordered = {k: kwargs[k] for k in self._kw_order}
+        flat = [x for x in pytree.tree_leaves((args, ordered)) if isinstance(x, torch.Tensor)]
+        if len(flat) != self.inputs:
+            return False, None
+        with self._lock:
+            if module is not None and not self._bind(module):
+                return False, None
+            out = self.loader.run(flat)
+        return True, pytree.tree_unflatten(out, self._out_spec)
+
+
+class DeferredMegaCache:
+    """A verified Mega-Cache part, given to torch once, when something first could use it."""
+
+    def __init__(self, path: str, blob: bytes, *, device: str) -> None:
+        self.path = path
+        self.device = device
+        self._blob: bytes | None = blob
+        self._lock = threading.Lock()
+        self.loaded_at = ""  # what made it load ("compile", "artifact", "now"), once it did
+        self.failed = ""
+
+    def arm(self) -> None:
+        """Load at the start of the next dynamo compile (at once on a torch without the hook)."""
+        try:
+            from torch._dynamo.callback import callback_handler  # heavy: dynamo's
+        except ImportError:
+            self.load("now")
+            return
+        callback_handler.register_start_callback(self._on_compile)
+
+    def _on_compile(self, *_: Any) -> None:  # torch 2.14 passes CallbackArgs; older, nothing
+        if self._blob is not None:  # left registered, a no-op: removing it mid-run would skip
+            self.load("compile")  # the callback after it in torch's loop
+
+    def load(self, why: str) -> None:
+        """Give the part to torch now, once; warn if torch cannot load it."""
+        with self._lock:
+            if self._blob is None:
+                return
+            blob, self._blob = self._blob, None
+            with serial_kernel_loads(self.device):
+                failed, _ = load_megacache(self.path, blob)
+            self.loaded_at, self.failed = why, failed
+        if failed:
+            warnings.warn(f"surgery: the bundle's Mega-Cache part could not be loaded, compiles "
+                          f"go on without it: {failed}", CacheIgnoredWarning, stacklevel=2)
+
+
+def load_runners(entries: Mapping[str, tuple[bytes, Any, list[list[Any]], int, Any]], *,
+                 device: str, bound: bool, timings: list[LoadTiming], name: str
+                 ) -> tuple[dict[str, AotiRunner], str]:
+    """A group's runners (signature text -> AotiRunner), each load timed into ``timings``;
+    ({}, why) when one cannot be loaded (the group then takes its artifacts, or dynamo)."""
+    out: dict[str, AotiRunner] = {}
+    for i, (sig, (data, _, constants, inputs, _)) in enumerate(entries.items()):
+        try:
+            with timed(timings, name, i):
+                out[sig] = AotiRunner(open_package(data, device=device), constants,
+                                      bound=bound, inputs=inputs)
+        except Exception as e:  # torch's loader, or an archive refused
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return {}, f"{name}: AOTInductor package: {type(e).__name__}: {first}"
+    return out, ""
