@@ -130,8 +130,10 @@ def test_gpt2_generate_is_planned_piecewise_by_default_and_makes_the_same_tokens
     pytest.param(0.643, 0.99, 1.0, True, id="gpt2-h200-mlps-inflated"),  # call 1: was lost
     pytest.param(0.43, 0.70, 0.99, False, id="sdpa-h200"),  # opt-in there, for its cold start
     pytest.param(0.50, 0.50, 1.0, False, id="no-gain"),
-    pytest.param(0.90, 1.0, 1.0, True, id="the-last-tenth"),
-    pytest.param(0.90, 0.95, 1.0, False, id="half-the-last-tenth"),
+    pytest.param(0.70, 1.0, 1.0, True, id="the-last-third"),
+    pytest.param(0.90, 1.0, 1.0, False, id="the-last-tenth-is-too-little"),
+    pytest.param(0.81, 0.85, 0.85, False, id="sdpa-tiny-noisy"),  # all that was left, but 4%
+    pytest.param(0.70, 0.85, 1.0, False, id="half-the-last-third"),
     pytest.param(0.30, 0.55, 1.0, False, id="neither-case"),
 ])
 def test_the_default_rule_compares_what_each_plan_leaves_inside_the_model(

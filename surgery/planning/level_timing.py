@@ -42,7 +42,9 @@ in a model whose caches grow): each call gets its fastest span over the timed st
 rule, as for the bare step: a shared host preempts at random). A pass whose steps called other
 paths or another number of them (a step that branches) spreads each path's mean step total
 evenly over that path's calls in the tree (the mean: the fastest could be a step without it).
-The cost is ``timed_steps`` steps a level (GPT-2: 5 levels) instead of ``timed_steps`` in all.
+The levels take turns step by step, so that in a model whose state grows with every step (a
+stream's KV cache) each level sees the same range of states. The cost is ``timed_steps`` steps
+a level (GPT-2: 5 levels) instead of ``timed_steps`` in all.
 """
 
 from __future__ import annotations
@@ -127,30 +129,34 @@ def time_levels(model: nn.Module, timed: Callable[[], float], *, calls: Sequence
                 methods: Sequence[str], cuda: bool, clock: Clock | None, timed_steps: int,
                 cost: HookCost) -> LevelTimes:
     """Time ``timed()`` (one step, returning its ms) ``timed_steps`` times a nesting level, with
-    hooks on that level's paths only; the spans merged on the reference step's call tree."""
+    hooks on that level's paths only (the levels taking turns step by step); the spans merged
+    on the reference step's call tree."""
     levels = call_levels(calls)
     ref = reference_step(calls)
     watched = set(methods)
-    ms = [0.0] * len(ref)
-    pass_ms: list[float] = []
-    n_timed = 0
     steps = max(1, max((c.step for c in calls), default=0) + 1)
+    passes: list[tuple[set[str], Timer, list[float]]] = []
     for level in sorted(set(levels.values())):
         paths = {p for p, d in levels.items() if d == level}
-        per_call = sum(1 for c in calls if c.path in paths) // steps
         timer = Timer(model, cuda=cuda, clock=clock, methods=sorted(paths & watched),
                       paths=paths - watched)
-        timer.reserve(2 * per_call * timed_steps + 64)
-        step_ms = []
-        with timer:
-            for s in range(timed_steps):
+        timer.reserve(2 * (sum(1 for c in calls if c.path in paths) // steps) * timed_steps + 64)
+        passes.append((paths, timer, []))
+    # Round robin, one step a level at a time: a model whose state grows step by step (a stream's
+    # KV cache) shows every level the same range of states, not the last level the longest.
+    for s in range(timed_steps):
+        for _paths, timer, step_ms in passes:
+            with timer:
                 timer.step = s
                 step_ms.append(timed())
-        pass_ms.append(min(step_ms))
+    ms = [0.0] * len(ref)
+    n_timed = 0
+    for paths, timer, _ms in passes:
         spans = _corrected(timer.calls_ms(), cost)
         n_timed += len(spans)
         _assign(ms, ref, paths, spans, timed_steps)
-    return LevelTimes([(c.path, c.parent, ms[i]) for i, c in enumerate(ref)], pass_ms, n_timed)
+    return LevelTimes([(c.path, c.parent, ms[i]) for i, c in enumerate(ref)],
+                      [min(step_ms) for _p, _t, step_ms in passes], n_timed)
 
 
 def _corrected(spans: list[tuple[str, int, float, int]],
