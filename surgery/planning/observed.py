@@ -230,9 +230,9 @@ def _coverage_notes(cov: dict[str, Any], versus: dict[str, Any]) -> list[str]:
                    f"{versus['names_covered_share']:.0%}: kept {kept}")
     if cov.get("hook_overhead_ms") is not None:
         out.append(f"the timing hooks added {cov['hook_overhead_ms']:.2f} ms to a "
-                   f"{cov['step_ms']:.2f} ms step (shares are of the bare step, each module's "
-                   f"time corrected for the hooks inside it); a watched step (signatures and "
-                   f"ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
+                   f"{cov['step_ms']:.2f} ms step (shares are of the bare step, each module "
+                   f"timed with hooks on its nesting level only); a watched step (signatures "
+                   f"and ops) took {cov.get('watched_step_ms', 0.0):.2f} ms")
     return out
 
 
