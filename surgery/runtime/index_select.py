@@ -129,10 +129,10 @@ def _only_selects(node: ast.FunctionDef, container: str, index: str) -> bool:
             continue
         if not isinstance(sub.ctx, ast.Load):
             return False  # assigned or deleted
-        parent = parents.get(sub)
-        if not isinstance(parent, ast.Subscript) or not isinstance(parent.ctx, ast.Load):
+        up = parents.get(sub)
+        if not isinstance(up, ast.Subscript) or not isinstance(up.ctx, ast.Load):
             return False
-        value, key = parent.value, parent.slice
+        value, key = up.value, up.slice
         if not (isinstance(value, ast.Name) and value.id == container and
                 isinstance(key, ast.Name) and key.id == index):
             return False
@@ -141,7 +141,7 @@ def _only_selects(node: ast.FunctionDef, container: str, index: str) -> bool:
 
 
 def find_index_select(fn: Callable[..., Any], names: Sequence[str],
-                      containers: Sequence[str]) -> IndexSelect | None:
+                      containers: Sequence[str | None]) -> IndexSelect | None:
     """The first (container, index) pair of fn's parameters where the index only selects (see
     the module docstring); ``names``: fn's positional parameter names as called (no self),
     ``containers``: the parameters that hold a list cache."""
