@@ -176,11 +176,14 @@ class PieceCache:
     def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int],
             light: bool = False) -> tuple[CompiledPiece, tuple[Any, ...] | None, bool]:
         """(the compiled piece, its key, whether it was compiled now) for these inputs. A light
-        piece compiles with the light backend, under a key of its own."""
+        piece takes a full compile of the same key when one exists (the better code, for no
+        compile); otherwise it compiles with the light backend, under a key of its own, which a
+        full piece never takes."""
         key = piece_key(gm, args, stable_pos)
-        if key is not None and light:
-            key = (*key, LIGHT_PIECE_BACKEND)
         found = self.compiled.get(key) if key is not None else None
+        if key is not None and light and found is None:
+            key = (*key, LIGHT_PIECE_BACKEND)
+            found = self.compiled.get(key)
         if found is not None:
             self.shared += 1
             return found, key, False
