@@ -77,9 +77,11 @@ def cold_start_as_before() -> None:
     (surgery.runtime.compile_start), as the cold start was before them: every piece compiles
     with the plan's backend, and inductor starts its workers at its first compile."""
     import surgery.runtime.compile_start as compile_start
-    import surgery.runtime.piecewise as piecewise
+    import surgery.runtime.piecewise_split as piecewise_split
 
-    piecewise.light_allowed = lambda *a, **k: False  # type: ignore[assignment]
+    if not hasattr(piecewise_split, "light_allowed"):  # a no-op patch would compare nothing
+        raise RuntimeError("piecewise_split no longer asks light_allowed: update this arm")
+    piecewise_split.light_allowed = lambda *a, **k: False  # type: ignore[assignment]
     compile_start.pool_wanted = lambda *a, **k: False  # type: ignore[assignment]
 
 

@@ -119,7 +119,13 @@ def canonical_graph(gm: fx.GraphModule) -> str | None:
 
 def _layout(value: Any) -> tuple[Any, ...] | None:
     if isinstance(value, torch.Tensor):
-        return (type(value).__name__, tuple(value.shape), value.stride(), value.dtype,
+        # The stride of a dim of size 1 addresses nothing: two such layouts read the same
+        # elements at the same offsets, and inductor's input check ignores it too
+        # (``assert_size_stride``). A light piece's outputs (eager's views) and inductor's
+        # (fresh buffers) differ just there, and the piece after them must stay one compile.
+        stride = tuple(0 if n == 1 else st for n, st in zip(value.shape, value.stride(),
+                                                             strict=True))
+        return (type(value).__name__, tuple(value.shape), stride, value.dtype,
                 str(value.device), value.requires_grad,
                 value.data_ptr() % _ALIGN == 0 if value.device.type != "meta" else True)
     if isinstance(value, _SCALARS):
