@@ -19,6 +19,14 @@ TRITON_CACHE_DIR, under `torch.inference_mode()`:
   warm-base  (``--baseline``) the same as warm without the two cuts of surgery.runtime.
          warm_loader (the keys hashed in a thread, kernels loaded without inductor's compile
          pool): an A/B of them in one call
+  warm-aoti  (``--aoti``) from a second bundle that cold also writes, with
+         ``save_cache(aoti=True)``: AOTInductor packages beside the artifacts, so that the
+         groups install C++ runners (surgery.runtime.aoti_bundle) and torch's Python loader is
+         never imported; its build time (one C++ build per group and signature) is reported
+
+Every warm process also counts the modules imported from the call of apply_manifest to the end
+of the first replayed frame, and lists the heavy ones among them (inductor's graph, lowering,
+select_algorithm, codecache; Triton).
 
 "First replayed frame" is the first frame in which every region path that captured a CUDA graph
 replayed one (on the CPU, where nothing is captured: the first frame that compiled nothing). The
@@ -45,6 +53,7 @@ imports dynamo), building the model and filling its stream.
     python benchmarks/gpu_warm_start.py --size tiny --device cpu   # CPU check (minutes)
     python benchmarks/gpu_warm_start.py --models sdpa --profile    # + first load, first frames
     python benchmarks/gpu_warm_start.py --models sdpa --baseline   # + warm without warm_loader
+    python benchmarks/gpu_warm_start.py --models hf_bert --aoti    # + warm from AOTI runners
 
 Prints a markdown table per model, then one JSON line.
 """
@@ -72,7 +81,10 @@ STARTED = time.perf_counter()
 from _arms import child_result, latency, time_call  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
-PHASES = ("cold", "warm", "warm-base")
+PHASES = ("cold", "warm", "warm-base", "warm-aoti")
+# Modules a start from runners should not import (inductor's compiler and loader, Triton).
+HEAVY = ("torch._inductor.graph", "torch._inductor.lowering", "torch._inductor.select_algorithm",
+         "torch._inductor.codecache", "triton")
 _MAX_FRAMES = 8  # frames to wait for the first replay before calling it a failure
 _STEADY = 20
 _PROFILE_ROWS = 60
@@ -245,12 +257,12 @@ def _profile_first_load(pre: Any, prof: cProfile.Profile) -> None:
     """Profile the first Loaded.take that loads artifacts (it pays the one-time costs)."""
     real = pre.Loaded.take
 
-    def take(self: Any, identity: Any, target: Any) -> Any:
+    def take(self: Any, identity: Any, target: Any, **kwargs: Any) -> Any:
         if self.loaded or not prof_pending:
-            return real(self, identity, target)
+            return real(self, identity, target, **kwargs)
         prof.enable()
         try:
-            return real(self, identity, target)
+            return real(self, identity, target, **kwargs)
         finally:
             prof.disable()
             if self.loaded:
@@ -260,8 +272,13 @@ def _profile_first_load(pre: Any, prof: cProfile.Profile) -> None:
     pre.Loaded.take = take
 
 
+def aoti_path(bundle: str) -> str:
+    """Where cold writes the bundle with AOTInductor packages (``--aoti``)."""
+    return bundle.replace(".surgery.cache", ".aoti.surgery.cache")
+
+
 def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
-              ref_path: str, profile: bool = False) -> dict[str, Any]:
+              ref_path: str, profile: bool = False, aoti: bool = False) -> dict[str, Any]:
     """One fresh process: build, fill the stream, apply, frames to the first replay, steady
     frames, reference output; the cold one then saves the bundle."""
     before: dict[str, float] = {"start_to_script": round(process_age() - (
@@ -319,10 +336,12 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     if first_load is not None:
         _profile_first_load(pre, first_load)
     age0 = process_age()
+    modules0 = set(sys.modules)
     t0 = time.perf_counter()
     with torch.inference_mode():
         handle = apply_manifest(model, manifest, overrides=overrides,
-                                cache=True if phase != "cold" else None)
+                                cache=None if phase == "cold" else
+                                aoti_path(bundle) if phase == "warm-aoti" else True)
         apply_s = time.perf_counter() - t0
         if prof is not None:
             prof.enable()
@@ -340,6 +359,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
                 break
         first_s = time.perf_counter() - t0
         age1 = process_age()
+        new_modules = sorted(set(sys.modules) - modules0)
         if prof is not None:
             prof.disable()
         tracing, backend = seconds("bytecode_tracing"), seconds("OutputGraph.call_user_compiler")
@@ -374,6 +394,9 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
         "precompiled": cache.precompiled if cache else 0,
+        "aoti_runners": getattr(cache, "aoti", 0) if cache else 0,
+        "imported": len(new_modules), "imported_heavy": [m for m in new_modules if any(
+            m == h or m.startswith(h + ".") for h in HEAVY)][:12],
         "loaded": bool(cache and cache.loaded), "cache_reason": cache.reason if cache else "",
         "groups": pre.group_breakdown(handle.groups, handle.precompiled),
         **latency(steady), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -389,6 +412,15 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
                    bundle_precompiled=len(saved.metadata.get("precompiled", {})
                                           .get("entries", [])),
                    not_precompiled=saved.metadata.get("precompiled", {}).get("notes", [])[:5])
+        if aoti:  # a second bundle, with AOTInductor packages (surgery.runtime.aoti_build)
+            t = time.perf_counter()
+            saved = handle.save_cache(aoti_path(bundle), aoti=True)
+            entries = saved.metadata.get("precompiled", {}).get("entries", [])
+            out.update(aoti_save_s=round(time.perf_counter() - t, 2),
+                       aoti_bundle_mb=round(saved.bytes / 1e6, 2),
+                       aoti_packages=sum(e.get("kind") == "aoti" for e in entries),
+                       not_packaged=[n for n in saved.metadata.get("precompiled", {})
+                                     .get("notes", []) if "AOTInductor" in n][:5])
     elif os.path.exists(ref_path):
         cold = torch.load(ref_path)
         out["identical_to_cold"] = all(torch.equal(a, b) for a, b in zip(ref, cold, strict=True))
@@ -399,7 +431,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
-              keep: bool, profile: bool = False, baseline: bool = False
+              keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False
               ) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
@@ -417,13 +449,15 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     bundle = os.path.join(work, "model.surgery.cache")
     ref = os.path.join(work, "cold_output.pt")
     results: list[dict[str, Any]] = []
-    for phase in PHASES if baseline else PHASES[:2]:
+    phases = [p for p in PHASES if p in ("cold", "warm") or (p == "warm-base" and baseline)
+              or (p == "warm-aoti" and aoti)]
+    for phase in phases:
         cache = os.path.join(work, f"inductor-{phase}")
         penv = {**env, "TORCHINDUCTOR_CACHE_DIR": cache,
                 "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
         res = child_result([__file__, "--phase", phase, "--models", name, "--manifest",
                             manifest, "--bundle", bundle, "--device", device, "--ref", ref,
-                            *(["--profile"] if profile else [])],
+                            *(["--profile"] if profile else []), *(["--aoti"] if aoti else [])],
                            env=penv, timeout=timeout, ident={"model": name, "phase": phase})
         results.append(res)
         if "error" in res:
@@ -464,8 +498,15 @@ def table(results: list[dict[str, Any]]) -> str:
         extra = (f"; bundle {r['bundle_mb']} MB, {r['bundle_precompiled']} precompiled, "
                  f"saved in {r['save_s']} s" if r["phase"] == "cold" else
                  f"; bundle: {r['cache_reason'][:200]}")
+        if "aoti_save_s" in r:
+            extra += (f"; AOTI bundle {r['aoti_bundle_mb']} MB, {r['aoti_packages']} packages, "
+                      f"built in {r['aoti_save_s']} s")
         rows.append(f"{r['model']} {r['phase']}: regions {r['regions']}{extra}")
-        for note in r.get("not_precompiled", []):
+        if r["phase"] != "cold":
+            rows.append(f"  AOTI runners {r.get('aoti_runners', 0)}; modules imported from "
+                        f"apply to the first replay: {r.get('imported')}, heavy: "
+                        f"{r.get('imported_heavy')}")
+        for note in r.get("not_precompiled", []) + r.get("not_packaged", []):
             rows.append(f"  not precompiled: {note[:200]}")
         rows.append("  per group: " + "; ".join(
             f"{g['group']} x{g['paths']} (sigs {g['signatures']}, compile {g['compile_s']} s, "
@@ -519,6 +560,8 @@ def main() -> None:
                     help="cProfile the warm process's apply_manifest; print its top functions")
     ap.add_argument("--baseline", action="store_true",
                     help="add a warm process without surgery.runtime.warm_loader's cuts (A/B)")
+    ap.add_argument("--aoti", action="store_true",
+                    help="add a warm process from a bundle with AOTInductor packages")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -526,7 +569,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.phase:
         print(json.dumps(run_phase(args.phase, args.models, args.manifest, args.bundle,
-                                   args.device, args.ref, profile=args.profile)))
+                                   args.device, args.ref, profile=args.profile,
+                                   aoti=args.aoti)))
         return
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     models = [m for m in args.models.split(",") if m]
@@ -537,7 +581,7 @@ def main() -> None:
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
                              timeout=args.timeout, keep=args.keep, profile=args.profile,
-                             baseline=args.baseline)
+                             baseline=args.baseline, aoti=args.aoti)
     print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
     print(table(results))
     print()

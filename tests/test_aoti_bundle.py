@@ -383,6 +383,28 @@ def test_a_signed_archive_with_a_traversal_is_ignored_not_extracted(site, opened
     assert report.cache.aoti == 0 and report.cache.precompiled == 1  # its torch AOT artifact
 
 
+def test_warm_aoti_flag_asks_for_packages(monkeypatch, tmp_path) -> None:
+    """`surgery warm --aoti` hands aoti=True to the bundle's build (and only with the flag)."""
+    from click.testing import CliRunner
+
+    from surgery.cli import cli
+    from surgery.runtime import warm as warm_mod
+
+    seen: list[bool] = []
+
+    def fake(*args: Any, aoti: bool = False, **kwargs: Any) -> Any:
+        seen.append(aoti)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(warm_mod, "warm_start", fake)
+    (tmp_path / "m.surgery.toml").write_text("")
+    base = ["warm", "--model", "x:y", "--manifest", str(tmp_path / "m.surgery.toml"), "--step",
+            "x:z"]
+    for extra in ([], ["--aoti"]):
+        CliRunner().invoke(cli, base + extra)
+    assert seen == [False, True]
+
+
 # --- the record ------------------------------------------------------------------------------
 
 GOOD_AOTI = {"group": "g", "signature": "s", "modes": MODES, "offset": 0, "bytes": 4,
@@ -437,3 +459,72 @@ def test_golden_format_3_with_an_aoti_entry_reads_back() -> None:
     assert aoti == {"g": {"s": (b"package", MODES, [["a.weight",
                                                       [[2, 3], [3, 1], "float32", "cpu"]]], 1,
                                 SPANS)}}
+
+
+# --- CUDA: runners inside region graphs ----------------------------------------------------------
+
+CUDA_SRC = textwrap.dedent('''
+    import json, sys, torch, premod
+    from torch._dynamo.utils import counters
+    from surgery.formats.fingerprint import compute_fingerprint
+    from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
+    from surgery.runtime.apply import apply_manifest
+    x = premod.X.cuda()
+
+    def step(m):
+        with torch.no_grad():
+            return m(x)
+
+    if sys.argv[1] == "save":
+        m = Manifest(compute_fingerprint(premod.build().state_dict()),
+                     [Region("block", ["blocks.0", "blocks.1"])], compile=dict(DEFAULT_COMPILE))
+        save_manifest(m, "net.surgery.toml")
+        h = apply_manifest(premod.build().cuda().eval(), "net.surgery.toml", warmup=step,
+                           passes=3)
+        meta = h.save_cache(aoti=True).metadata
+        print(json.dumps({"kinds": [e.get("kind") for e in meta["precompiled"]["entries"]],
+                          "notes": meta["precompiled"]["notes"]}))
+        raise SystemExit(0)
+    model = premod.build().cuda().eval()
+    want = step(model)
+    before = set(sys.modules)
+    h = apply_manifest(model, "net.surgery.toml", warmup=step, cache=True, passes=1)
+    got = [step(model) for _ in range(3)]
+    new = sorted(set(sys.modules) - before)
+    print(json.dumps({
+        "aoti": h.report.cache.aoti, "reason": h.report.cache.reason,
+        "frames": sum(counters["frames"].values()),
+        "captured": [r.graphs_captured for r in h.report.records],
+        "replays": [r.cuda_graph_replays for r in h.report.records],
+        "runs": [r.precompiled_runs for r in h.report.records],
+        "close": all(torch.allclose(g, want, atol=2e-3, rtol=2e-3) for g in got),
+        "heavy": [m for m in new if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]}))
+''').replace("FORBIDDEN", repr(FORBIDDEN))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
+    """On CUDA (inductor, region graphs): a bundle with an AOTInductor package, then a fresh
+    process with empty caches: the runner is called inside each path's capture, the graphs
+    replay, nothing is traced, no inductor loader or Triton module is imported, outputs match."""
+    (tmp_path / "premod.py").write_text(MODEL_SRC)
+    (tmp_path / "run.py").write_text(CUDA_SRC)
+    save = subprocess.run([sys.executable, "run.py", "save"], cwd=tmp_path,
+                          env=_env(tmp_path, "inductor-save"), capture_output=True, text=True,
+                          timeout=400)
+    assert save.returncode == 0, save.stderr[-3000:]
+    made = json.loads(save.stdout.strip().splitlines()[-1])
+    assert "aoti" in made["kinds"], made
+    env = _env(tmp_path, "inductor-deploy")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "inductor-deploy" / "triton")
+    run = subprocess.run([sys.executable, "run.py", "deploy"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["aoti"] == 1, got["reason"]
+    assert got["frames"] == 0, got
+    assert all(c >= 1 for c in got["captured"]) and all(n >= 2 for n in got["replays"]), got
+    assert all(n >= 1 for n in got["runs"]), got  # the captures ran the runner
+    assert got["close"], got
+    assert got["heavy"] == [], got

@@ -295,6 +295,9 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--no-precompile", "no_precompile", is_flag=True,
               help="Leave out the precompiled part (code that loads without dynamo): the "
               "bundle then holds torch's Mega-Cache only.")
+@click.option("--aoti", is_flag=True,
+              help="Also build an AOTInductor package per region group and signature (a C++ "
+              "build each): deployment then runs C++ runners, without inductor's Python.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]),
               help="Where to warm up (default: cuda when available). A bundle is valid only "
               "for this device kind and GPU.")
@@ -313,7 +316,7 @@ def _parse_overrides(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable result.")
 @handle_errors
 def warm(model_spec: str, manifest: str, step_spec: str | None, steps: int | None,
-         input_spec: str | None, no_precompile: bool, device: str | None,
+         input_spec: str | None, no_precompile: bool, aoti: bool, device: str | None,
          dtype: str | None, output: str | None, force: bool, overrides: dict[str, Any],
          key_file: str | None, as_json: bool) -> None:
     """Compile the manifest's regions once and save the compile caches as a bundle.
@@ -343,7 +346,7 @@ def warm(model_spec: str, manifest: str, step_spec: str | None, steps: int | Non
     result = warm_start(model_spec, manifest=manifest, input_spec=input_spec,
                         step_spec=step_spec, steps=steps, device=device, dtype=dtype,
                         out=output, force=force, overrides=overrides, key_file=key_file,
-                        precompile=not no_precompile)
+                        precompile=not no_precompile, aoti=aoti)
     if as_json:
         emit_json({"bundle": result.bundle.path, "bytes": result.bundle.bytes,
                    "seconds": round(result.seconds, 3), "metadata": result.bundle.metadata,

@@ -69,7 +69,7 @@ from surgery.runtime.shared_pieces import Sharing, piece_sharing
 from surgery.runtime.signatures import group_key, signature_check
 from surgery.runtime.slots import _HandleState, _make_wrapper, _Slot
 from surgery.runtime.stream_route import StreamRoute, install_route
-from surgery.runtime.warm_loader import KeyPrefetch, mark_step
+from surgery.runtime.warm_loader import mark_step
 
 __all__ = [
     "COMPILE_KEYS", "ENV_MANIFEST", "ApplyHandle", "ApplyReport", "CacheIgnoredWarning",
@@ -211,8 +211,7 @@ def apply_manifest(
     A cold start on CUDA starts inductor's compile workers before the warm-up's first trace
     (surgery.runtime.compile_start).
     """
-    dev = _device_of(model, model)  # on CUDA, one-time keys are hashed beside what follows:
-    keys = KeyPrefetch.start(dev.type) if cache is not None and cache is not False else None
+    dev = _device_of(model, model)
     m = resolve_manifest(manifest)
     cap = parse_size(max_graph_memory)
     binding = bind_model(model, m, strict=strict)
@@ -226,7 +225,7 @@ def apply_manifest(
     if cache is not None and cache is not False:
         report.cache, handle.precompiled = load_for_apply(
             cache, manifest=m, overrides=handle._overrides, device=handle._device,
-            notes=report.notes, keys=keys)
+            notes=report.notes)
     state = _HandleState()
     groups: dict[tuple[Any, ...], _Group] = {}
     piecewise_groups: dict[Any, PiecewiseGroup] = {}

@@ -28,11 +28,9 @@ signature budget, fallback to eager, CUDA-graph capture and restore stay those o
 surgery.runtime.slots; a region graph may be captured on the first call, since nothing compiles
 in it (surgery.runtime.graphs.replay).
 
-AOTInductor runners. With ``save_cache(aoti=True)`` each (group, signature) that torch.export
-accepts also gets an AOTInductor package (surgery.runtime.aoti_build), in record format 2. A
-group takes a runner for each signature that has one, and artifacts only for the others: a
-warm start whose signatures all have runners never imports torch's Python loader (the loader's
-set-up runs before the first artifact, not before the first runner), nor unpickles an artifact.
+AOTInductor runners (``save_cache(aoti=True)``, surgery.runtime.aoti_build): a group takes a
+runner for each signature with a package, artifacts for the others only, so a warm start whose
+signatures all have runners never imports torch's Python loader nor unpickles an artifact.
 
 Trust. An artifact is code (a pickle of bytecode and kernels). Its bytes exist in memory only
 from a bundle whose HMAC verified with the deployer's key, and reach torch only once the bundle
@@ -261,15 +259,14 @@ class Loaded:
     keys: KeyPrefetch | None = None  # waited for before the first artifact (not runner) loads
     prepared: bool = False  # whether the loader's set-up ran (before the first artifact)
     deferred: DeferredMegaCache | None = None  # the Mega-Cache part, when runners are in it
-    aoti_loaded: int = 0
     used: set[str] = field(default_factory=set)
     stale: str = ""  # why a group's inlined code is not this process's (the first one)
-    loaded: int = 0
+    loaded: int = 0  # artifacts and runners handed out
+    aoti_loaded: int = 0  # of them, runners
     failed: str = ""  # why an artifact could not be loaded (the first one)
     seconds: dict[str, float] = field(default_factory=dict)  # per group identity, loading
     setup: LoaderSetup = field(default_factory=LoaderSetup)  # once, before the first artifact
-    # per group identity, per artifact in load order
-    timings: dict[str, list[LoadTiming]] = field(default_factory=dict)
+    timings: dict[str, list[LoadTiming]] = field(default_factory=dict)  # per group, in order
 
     def take(self, identity: str | None, target: Callable[..., Any], *, bound: bool = True
              ) -> dict[str, Any]:
@@ -332,7 +329,8 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
     """Load a compile-cache bundle when it verifies and fits: its Mega-Cache part into torch's
     caches, and its precompiled part for the groups to take as they install. Otherwise warn
     once, say why in ``notes``, and return no artifacts. ``keys``: the one-time keys being
-    computed meanwhile (surgery.runtime.warm_loader), waited for before any artifact loads."""
+    computed meanwhile (surgery.runtime.warm_loader): by default started here, once the bundle
+    holds artifacts no runner replaces, and waited for before any artifact loads."""
     src = manifest.source_path
     if isinstance(cache, bool):  # True: the bundle beside the manifest file
         path = default_bundle_path(src) if src else ""
@@ -347,6 +345,9 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
         loaded, why = opened.loaded, opened.reason
         pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=keys) \
             if opened.precompiled or opened.aoti else None
+        if pre is not None and keys is None and any(  # artifacts to load: hash keys meanwhile
+                set(v) - set(opened.aoti.get(k, {})) for k, v in opened.precompiled.items()):
+            pre.keys = KeyPrefetch.start(device)
         if pre is not None and opened.pending is not None:
             pre.deferred = DeferredMegaCache(path, opened.pending, device=device)
             pre.deferred.arm()

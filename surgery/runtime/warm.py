@@ -99,7 +99,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
                step_spec: str | None = None, steps: int | None = None,
                device: str | None = None, dtype: str | None = None, out: str | None = None,
                force: bool = False, overrides: Mapping[str, Any] | None = None,
-               key_file: str | None = None, precompile: bool = True) -> WarmResult:
+               key_file: str | None = None, precompile: bool = True, aoti: bool = False
+               ) -> WarmResult:
     """Build the model, apply the manifest, warm up, save the bundle.
 
     The bundle is signed with the deployer's key (``key_file``, else $SURGERY_CACHE_KEY or
@@ -112,7 +113,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
     that receives the model and returns its input (a tensor, a tuple of positional arguments or
     a dict of keyword arguments), the older form. Warm-up runs under ``torch.no_grad()``, as
     inference does: grad mode is part of what dynamo guards on. With ``precompile`` the
-    bundle also holds each group's code compiled ahead of time (surgery.runtime.precompiled).
+    bundle also holds each group's code compiled ahead of time (surgery.runtime.precompiled);
+    with ``aoti``, an AOTInductor package for each too (surgery.runtime.aoti_build).
     """
     import torch
 
@@ -183,7 +185,8 @@ def warm_start(model_spec: str, *, manifest: str, input_spec: str | None = None,
             path=target, hint="on the CPU, CUDA-graph regions run eager: pass --overrides "
             "on_cpu=compile (and the same overrides to apply_manifest), or warm up on the GPU")
     try:
-        saved = handle.save_cache(target, force=force, key=key, precompile=precompile)
+        saved = handle.save_cache(target, force=force, key=key, precompile=precompile,
+                                  aoti=aoti)
     finally:
         handle.restore()
     return WarmResult(saved, handle.report, seconds, notes)

@@ -20,9 +20,10 @@ took 1.0 s and every later one 0.01-0.04 s. Read from torch 2.14's loader, on CU
 
 What is done instead.
 
-- **Keys beside the checks.** ``KeyPrefetch.start(device)``, at the top of
-  ``apply_manifest(cache=...)`` on CUDA, computes both keys in a daemon thread while the
-  manifest is read, the model bound, the bundle verified and torch's loader imported. Both are
+- **Keys beside the imports.** ``KeyPrefetch.start(device)``, once ``apply_manifest(cache=...)``
+  on CUDA has opened a bundle holding artifacts that no AOTInductor runner replaces
+  (surgery.runtime.aoti_bundle: runners need neither key, and the start would import inductor's
+  code cache), computes both keys in a daemon thread while torch's loader is imported. Both are
   file reads and sha256 over large buffers, which release the GIL, so they overlap that work
   instead of following it. ``wait()`` joins the thread before the first artifact loads: on a
   torch whose key cache is a plain ``functools.cache`` the loader would otherwise compute a key
