@@ -266,6 +266,11 @@ def _cold_breakdown(handle: Any, out: dict[str, Any],
         round(x, 2) for x in compilation_time_metrics.get("_compile.compile_inner", [])][:16]
     if recompiles is not None:  # each dynamo recompile's first guard failure
         out["cold_breakdown"]["recompile_triggers"] = recompiles.triggers
+    # every timed phase of dynamo and inductor over 50 ms (where a piece's build went: the
+    # inductor import, graph lowering, codegen, waits on the Triton compile pool, ...)
+    out["cold_breakdown"]["phases_s"] = {
+        k: round(sum(v), 2) for k, v in sorted(compilation_time_metrics.items())
+        if sum(v) >= 0.05}
 
 
 def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
