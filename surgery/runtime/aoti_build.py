@@ -133,7 +133,7 @@ def build_one(group: Any, module: nn.Module, example: Example, *, device: str
         for name in os.listdir(folder):
             os.unlink(os.path.join(folder, name))
         os.rmdir(folder)
-    weights = dict(wrapper.named_parameters())
+    weights: dict[str, torch.Tensor] = dict(wrapper.named_parameters())
     weights.update(wrapper.named_buffers())
     loader = open_package(data, device=device)
     fqns = loader.get_constant_fqns()

@@ -281,7 +281,7 @@ class Loaded:
         name = qualname_of(target)
         for *_, sources in [*self.entries.get(identity, {}).values(),
                             *self.aoti.get(identity, {}).values()]:
-            if why := sources_problem(sources):  # before a byte of it is unpickled or loaded
+            if why := sources_problem(sources):  # type: ignore[arg-type]  # before any load
                 self.stale = self.stale or f"{name}: {why}"
                 return {}
         started = time.perf_counter()
