@@ -502,17 +502,40 @@ CUDA_SRC = textwrap.dedent('''
 ''').replace("FORBIDDEN", repr(FORBIDDEN))
 
 
+def test_a_cuda_bundle_gets_no_package_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the build is off (it crashed the process on the H200, torch 2.11): no entry, one
+    note that says how to turn it on; with the switch the groups are built as on the CPU."""
+    from surgery.runtime import aoti_build
+
+    def build(device: str) -> tuple[bytes, list[Any], list[str]]:
+        return aoti_build.build_entries([], device=device, signature_text=str, offset=0,
+                                        sources={})
+
+    monkeypatch.delenv(aoti_build.CUDA_OPT_IN, raising=False)
+    assert build("cuda:0") == (b"", [], [aoti_build.CUDA_OFF_NOTE])
+    assert aoti_build.CUDA_OPT_IN in aoti_build.CUDA_OFF_NOTE
+    assert build("cpu") == (b"", [], [])
+    monkeypatch.setenv(aoti_build.CUDA_OPT_IN, "1")
+    assert build("cuda:0") == (b"", [], [])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
+                   reason="building the package ended the process with SIGSEGV on torch 2.11 "
+                          "(H200, 2026-12-01): CUDA builds are opt-in (aoti_build.CUDA_OPT_IN)")
 def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
-    """On CUDA (inductor, region graphs): a bundle with an AOTInductor package, then a fresh
-    process with empty caches: the runner is called inside each path's capture, the graphs
-    replay, nothing is traced, no inductor loader or Triton module is imported, outputs match."""
+    """On CUDA (inductor, region graphs), the build opted in: a bundle with an AOTInductor
+    package, then a fresh process with empty caches: the runner is called inside each path's
+    capture, the graphs replay, nothing is traced, no inductor loader or Triton module is
+    imported, outputs match."""
+    from surgery.runtime.aoti_build import CUDA_OPT_IN
+
     (tmp_path / "premod.py").write_text(MODEL_SRC)
     (tmp_path / "run.py").write_text(CUDA_SRC)
     save = subprocess.run([sys.executable, "run.py", "save"], cwd=tmp_path,
-                          env=_env(tmp_path, "inductor-save"), capture_output=True, text=True,
-                          timeout=400)
+                          env={**_env(tmp_path, "inductor-save"), CUDA_OPT_IN: "1"},
+                          capture_output=True, text=True, timeout=400)
     assert save.returncode == 0, save.stderr[-3000:]
     made = json.loads(save.stdout.strip().splitlines()[-1])
     assert "aoti" in made["kinds"], made
