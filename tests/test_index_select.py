@@ -55,6 +55,25 @@ def reads_locals(x: Any, cache: Any, global_idx: int) -> Any:
     return cache[global_idx], locals()
 
 
+def rebinds_by_import(x: Any, cache: Any, global_idx: int) -> Any:
+    import math as global_idx
+    return cache[global_idx]
+
+
+def rebinds_by_except(x: Any, cache: Any, global_idx: int) -> Any:
+    try:
+        return cache[global_idx]
+    except IndexError as global_idx:
+        return x
+
+
+def rebinds_by_match(x: Any, cache: Any, global_idx: int) -> Any:
+    match x:
+        case [*global_idx]:
+            return cache[global_idx]
+    return x
+
+
 def shadows_in_lambda(x: Any, cache: Any, global_idx: int) -> Any:
     f = lambda cache: cache  # noqa: E731
     return cache[global_idx], f
@@ -71,6 +90,9 @@ def never_reads_cache(x: Any, cache: Any, global_idx: int) -> Any:
     pytest.param(branches_on_index, id="index-in-branch"),
     pytest.param(passes_cache_on, id="cache-passed-on"),
     pytest.param(rebinds_index, id="index-rebound"),
+    pytest.param(rebinds_by_import, id="index-rebound-by-import"),
+    pytest.param(rebinds_by_except, id="index-rebound-by-except"),
+    pytest.param(rebinds_by_match, id="index-rebound-by-match"),
     pytest.param(reads_locals, id="locals"),
     pytest.param(shadows_in_lambda, id="lambda-parameter"),
     pytest.param(never_reads_cache, id="no-use"),

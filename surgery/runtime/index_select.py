@@ -17,8 +17,9 @@ shape. ``I`` only selects when, in the forward's own source (``ast``):
 
 - every use of ``C`` is the load ``C[I]`` (no ``len(C)``, no ``C[I - 1]``, no ``C[I] = ...``, no
   passing ``C`` on), and every use of ``I`` is that subscript's index;
-- neither name is assigned, deleted, or shadowed by a nested function's own parameter of that name
-  (which would read as a plain use and refuse the rewrite);
+- neither name is assigned, deleted, rebound (``import ... as``, ``except ... as``, a ``match``
+  capture, ``global``/``nonlocal``), or shadowed by a nested function's own parameter of that
+  name (which would read as a plain use and refuse the rewrite);
 - the function calls none of ``locals``, ``vars``, ``eval``, ``exec``, ``globals`` (which
   could read the names another way).
 
@@ -125,6 +126,8 @@ def _only_selects(node: ast.FunctionDef, container: str, index: str) -> bool:
         if isinstance(sub, ast.Global | ast.Nonlocal) and \
                 {container, index} & set(sub.names):
             return False
+        if _binds(sub) & {container, index}:
+            return False  # rebound by a statement that names it without an ast.Name
         if not isinstance(sub, ast.Name) or sub.id not in (container, index):
             continue
         if not isinstance(sub.ctx, ast.Load):
@@ -138,6 +141,18 @@ def _only_selects(node: ast.FunctionDef, container: str, index: str) -> bool:
             return False
         uses += sub.id == container
     return uses > 0
+
+
+def _binds(sub: ast.AST) -> set[str]:
+    """Names a node binds other than through an ``ast.Name`` store: ``import m as n``,
+    ``except E as n``, and ``match`` captures (``case n``, ``case [*n]``, ``case {**n}``)."""
+    if isinstance(sub, ast.alias):
+        return {sub.asname or sub.name.split(".")[0]}
+    if isinstance(sub, ast.ExceptHandler | ast.MatchAs | ast.MatchStar):
+        return {sub.name} if sub.name else set()
+    if isinstance(sub, ast.MatchMapping):
+        return {sub.rest} if sub.rest else set()
+    return set()
 
 
 def find_index_select(fn: Callable[..., Any], names: Sequence[str],
