@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -379,18 +379,12 @@ def test_cuda_a_region_inside_the_users_own_capture_runs_compiled_in_it() -> Non
     assert cap.live == 0
 
 
-@pytest.mark.cuda
-def test_cuda_gpt2_generate_on_a_user_stream_shares_eagers_workspace(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers GPT-2 through generate() (a growing DynamicCache), names plan (its MLPs
-    capture and replay): on a user stream every capture is there and keeps no workspace, tokens
-    equal eager's; then generate() on the default stream replays the same graphs, ordered."""
-    pytest.importorskip("transformers")
+def gpt2_decode_on_cuda() -> tuple[Any, torch.Tensor, Callable[[Any], torch.Tensor], Any]:
+    """(model, prompt, generate, manifest): tiny transformers GPT-2 on CUDA, a 6-token prompt,
+    greedy ``generate()`` of 10 new tokens, and its names plan (aot_eager, region capture)."""
     from surgery.planning.plan import plan_module
     from tests.zoo_models import gpt2
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 tokens
-    monkeypatch.setattr(apply_mod, "_CAPTURERS", {})
     torch.manual_seed(0)
     model = gpt2().eval().cuda()
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1)).cuda()
@@ -401,6 +395,19 @@ def test_cuda_gpt2_generate_on_a_user_stream_shares_eagers_workspace(
 
     manifest = plan_module(model, source="gpt2",
                            compile={"backend": "aot_eager", "capture": "region"}).manifest
+    return model, ids, generate, manifest
+
+
+@pytest.mark.cuda
+def test_cuda_gpt2_generate_on_a_user_stream_shares_eagers_workspace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers GPT-2 through generate() (a growing DynamicCache), names plan (its MLPs
+    capture and replay): on a user stream every capture is there and keeps no workspace, tokens
+    equal eager's; then generate() on the default stream replays the same graphs, ordered."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 tokens
+    monkeypatch.setattr(apply_mod, "_CAPTURERS", {})
+    model, _, generate, manifest = gpt2_decode_on_cuda()
     torch.cuda.synchronize()  # weights and prompt copied on the default stream
     stream = torch.cuda.Stream()
     with torch.inference_mode(), torch.cuda.stream(stream):

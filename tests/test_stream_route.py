@@ -25,7 +25,7 @@ from surgery.runtime.apply import apply_manifest
 from surgery.runtime.graphs.capture import CudaCapturer
 from surgery.runtime.report import GraphMemory
 from surgery.runtime.stream_route import ROUTE_ATTR, ROUTE_NOTE, install_route
-from tests.test_capture import WORKSPACE, FakeCuda, FakeStream, capturer
+from tests.test_capture import WORKSPACE, FakeCuda, FakeStream, capturer, gpt2_decode_on_cuda
 from tests.test_graphs import FakeCapturer
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -356,20 +356,8 @@ def gpt2_default_stream_child() -> dict[str, Any]:
     fresh process: cuBLAS keeps a workspace per stream for the life of the process, so only a
     process where nothing ran a matmul on the default stream can show that none was made there.
     The eager reference runs on a stream of its own for that reason."""
-    from surgery.planning.plan import plan_module
-    from tests.zoo_models import gpt2
-
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 tokens
-    torch.manual_seed(0)
-    model = gpt2().eval().cuda()
-    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def generate(m: Any) -> torch.Tensor:
-        return m.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                          pad_token_id=0)
-
-    manifest = plan_module(model, source="gpt2",
-                           compile={"backend": "aot_eager", "capture": "region"}).manifest
+    model, ids, generate, manifest = gpt2_decode_on_cuda()
     keys = list(model.state_dict())
     torch.cuda.synchronize()
     with torch.inference_mode():
