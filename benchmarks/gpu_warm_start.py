@@ -502,6 +502,11 @@ def table(results: list[dict[str, Any]]) -> str:
             extra += (f"; AOTI bundle {r['aoti_bundle_mb']} MB, {r['aoti_packages']} packages, "
                       f"built in {r['aoti_save_s']} s")
         rows.append(f"{r['model']} {r['phase']}: regions {r['regions']}{extra}")
+        if r["phase"] == "warm-aoti" and not r.get("aoti_runners"):
+            rows.append("  NO AOTI RUNNER INSTALLED: this row is not an AOTInductor warm start "
+                        "(the bundle's notes below say why)")
+        if "aoti_packages" in r and not r["aoti_packages"]:
+            rows.append("  NO AOTI PACKAGE BUILT (the notes below say why)")
         if r["phase"] != "cold":
             rows.append(f"  AOTI runners {r.get('aoti_runners', 0)}; modules imported from "
                         f"apply to the first replay: {r.get('imported')}, heavy: "
