@@ -57,7 +57,12 @@ SAVE_SRC = textwrap.dedent('''
     with torch.no_grad():
         h = apply_manifest(model, "net.surgery.toml", warmup=premod.step, passes=2,
                            overrides=json.loads(sys.argv[1]))
-    print(json.dumps(h.save_cache(aoti=True).metadata))
+    loads = []  # packages this process opened: none (a child builds, loads and runs them)
+    real = torch._C._aoti.AOTIModelPackageLoader
+    torch._C._aoti.AOTIModelPackageLoader = lambda *a: loads.append(a) or real(*a)
+    meta = h.save_cache(aoti=True).metadata
+    print("packages loaded by the saving process:", len(loads))
+    print(json.dumps(meta))
 ''')
 
 # A fresh process: apply from the bundle, the modules it imported, and what the runner computed.
@@ -114,6 +119,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
                          env=_env(site, "inductor-build"), capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "packages loaded by the saving process: 0" in run.stdout, run.stdout[-2000:]
     shutil.rmtree(site / "inductor-build", ignore_errors=True)
     return site, json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -502,39 +508,109 @@ CUDA_SRC = textwrap.dedent('''
 ''').replace("FORBIDDEN", repr(FORBIDDEN))
 
 
-def test_a_cuda_bundle_gets_no_package_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA the build is off (it crashed the process on the H200, torch 2.11): no entry, one
-    note that says how to turn it on; with the switch the groups are built as on the CPU."""
-    from surgery.runtime import aoti_build
+# A child that dies as torch 2.11's CUDA build did: by SIGSEGV, at a stage given in argv (it
+# writes a package first, so that a parent that read it anyway would ship it).
+CRASH_CHILD = textwrap.dedent('''
+    import ctypes, os, sys
+    from surgery.runtime import aoti_child as c
+    mode, folder = sys.argv[1:]
+    at = c.STAGES.index(os.environ["CRASH_AT"])
+    mine = range(0, 2) if mode == "build" else range(2, len(c.STAGES))
+    for i in mine:
+        if i <= at:
+            c._stage(folder, c.STAGES[i])
+    open(os.path.join(folder, c.JOB_PACKAGE), "wb").write(b"PK not a package")
+    open(os.path.join(folder, c.JOB_RESULT), "w").write('{"constants": []}')
+    if at in mine:
+        ctypes.string_at(0)  # a real SIGSEGV, in native code
+''')
 
-    def build(device: str) -> tuple[bytes, list[Any], list[str]]:
-        return aoti_build.build_entries([], device=device, signature_text=str, offset=0,
-                                        sources={})
 
-    monkeypatch.delenv(aoti_build.CUDA_OPT_IN, raising=False)
-    assert build("cuda:0") == (b"", [], [aoti_build.CUDA_OFF_NOTE])
-    assert aoti_build.CUDA_OPT_IN in aoti_build.CUDA_OFF_NOTE
-    assert build("cpu") == (b"", [], [])
-    monkeypatch.setenv(aoti_build.CUDA_OPT_IN, "1")
-    assert build("cuda:0") == (b"", [], [])
+class _Group:
+    """Just what build_entries reads of a compiled group (surgery.runtime.groups)."""
+
+    def __init__(self, name: str, example: Any) -> None:
+        def fn(self: Any, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        fn.__qualname__ = name
+        self.target, self.identity, self.dynamic, self.failed, self.bound = fn, name, False, \
+            None, True
+        self.backend = type("B", (), {"config_patches": {}})()
+        self.examples = {name: (_Lin(), example)}
+
+
+class _Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+
+@pytest.mark.parametrize("stage", ["package", "load", "run"])
+def test_a_crash_in_the_build_process_costs_a_note_not_the_process(tmp_path, monkeypatch,
+                                                                    stage) -> None:
+    """The build, load and run happen in children: one that dies by SIGSEGV (the build child at
+    its package stage, the fresh prove child at load or run; each after writing a package and a
+    result) ships nothing, and the note names the process, the signal, the stage and the torch
+    version; the next package of the save is not tried, and says why."""
+    from surgery.runtime import aoti_build, aoti_child
+    from surgery.runtime.call_example import Example
+
+    (tmp_path / "crash_child.py").write_text(CRASH_CHILD)
+    monkeypatch.setattr(aoti_child, "CHILD_MODULE", "crash_child")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(HERE)]))
+    monkeypatch.setenv("CRASH_AT", stage)
+    with torch.no_grad():
+        example = Example.of((torch.randn(2, 4),), {})
+    groups = [_Group("First.forward", example), _Group("Second.forward", example)]
+    data, entries, notes = aoti_build.build_entries(
+        groups, device="cpu", signature_text=str, offset=0,
+        sources={("First.forward", "First.forward"): [], ("Second.forward", "Second.forward"): []})
+    assert data == b"" and entries == [], entries
+    assert len(notes) == 2, notes
+    assert "SIGSEGV" in notes[0] and f"stage {stage!r}" in notes[0], notes
+    who = "the build process" if stage == "package" else "the fresh process loading it"
+    assert who in notes[0], notes
+    assert f"torch {torch.__version__}" in notes[0], notes
+    assert notes[1].startswith("Second.forward: no AOTInductor package (not tried: the build of "
+                               "First.forward crashed"), notes
+
+
+def test_a_python_error_in_the_child_is_a_note_for_that_package_only(tmp_path, monkeypatch
+                                                                      ) -> None:
+    """A child that exits 1 (a Python error) leaves the other packages to be tried."""
+    from surgery.runtime import aoti_build, aoti_child
+    from surgery.runtime.call_example import Example
+
+    (tmp_path / "fail_child.py").write_text(
+        "import json, os, sys\nfrom surgery.runtime import aoti_child as c\n"
+        "c._stage(sys.argv[2], 'package')\n"
+        "open(os.path.join(sys.argv[2], c.JOB_RESULT), 'w').write("
+        "json.dumps({'error': 'RuntimeError: no compiler'}))\nsys.exit(1)\n")
+    monkeypatch.setattr(aoti_child, "CHILD_MODULE", "fail_child")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(HERE)]))
+    with torch.no_grad():
+        example = Example.of((torch.randn(2, 4),), {})
+    groups = [_Group("First.forward", example), _Group("Second.forward", example)]
+    _, entries, notes = aoti_build.build_entries(
+        groups, device="cpu", signature_text=str, offset=0,
+        sources={("First.forward", "First.forward"): [], ("Second.forward", "Second.forward"): []})
+    assert entries == [] and len(notes) == 2, notes
+    assert all("RuntimeError: no compiler at stage 'package'" in n for n in notes), notes
+    assert all("not tried" not in n for n in notes), notes
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
-                   reason="building the package ended the process with SIGSEGV on torch 2.11 "
-                          "(H200, 2026-12-01): CUDA builds are opt-in (aoti_build.CUDA_OPT_IN)")
 def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
     """On CUDA (inductor, region graphs), the build opted in: a bundle with an AOTInductor
     package, then a fresh process with empty caches: the runner is called inside each path's
     capture, the graphs replay, nothing is traced, no inductor loader or Triton module is
     imported, outputs match."""
-    from surgery.runtime.aoti_build import CUDA_OPT_IN
-
     (tmp_path / "premod.py").write_text(MODEL_SRC)
     (tmp_path / "run.py").write_text(CUDA_SRC)
     save = subprocess.run([sys.executable, "run.py", "save"], cwd=tmp_path,
-                          env={**_env(tmp_path, "inductor-save"), CUDA_OPT_IN: "1"},
+                          env=_env(tmp_path, "inductor-save"),
                           capture_output=True, text=True, timeout=400)
     assert save.returncode == 0, save.stderr[-3000:]
     made = json.loads(save.stdout.strip().splitlines()[-1])

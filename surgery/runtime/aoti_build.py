@@ -16,11 +16,12 @@ signature it ran with, from the example recorded at its first call (surgery.runt
 3. ``aoti_compile_and_package`` with the group's inductor options and
    ``aot_inductor.package_constants_in_so=False``: the weights stay out of the package. Every
    constant the package needs must be a parameter or buffer of the module (no lifted tensor).
-4. The package is loaded back from its bytes (surgery.runtime.aoti_bundle.open_package, the same
-   path a deployment takes) and run on the example twice, on the module's weights and on random
-   weights of the same layout, against the region run eagerly (``functional_call``) on the same
-   weights. Only a package that follows the weights it is handed is written.
-
+4. The build (step 3) and its proof run in a child process (surgery.runtime.aoti_child), never
+   in this one: the package is built there, loaded back from its bytes as a deployment loads it,
+   and run on the example twice, on the module's weights and on random weights of the same
+   layout, against the region run eagerly here (``functional_call``) on the same weights. Only
+   a package that the child built, loaded and ran, and whose output follows the weights it is
+   handed, is written.
 5. Its code is checked like an artifact's (surgery.runtime.portable): the entry carries the
    source spans dynamo inlined into the torch AOT artifact of the same group and signature
    (non-strict export runs the same Python on the same example), checked against this process's
@@ -29,33 +30,29 @@ signature it ran with, from the example recorded at its first call (surgery.runt
 Each package is a C++ build: seconds to a minute (45 s for a two-Linear block on the 2-core CPU),
 so it is asked for (``save_cache(aoti=True)``), never implied.
 
-CUDA is off unless asked for (``CUDA_OPT_IN``). The one run on a GPU (an H200, torch 2.11, the
-cuda test of tests/test_aoti_bundle.py and ``gpu_warm_start.py --aoti``) ended the building
-process with SIGSEGV inside the build, where no exception can be caught. Until a build on CUDA
-is shown to work, a CUDA bundle is built without packages (dynamo's artifacts and Mega-Cache, as
-before), with a note; ``SURGERY_AOTI_CUDA=1`` builds them anyway, to try a newer torch.
+Why a child. On the H200 (torch 2.11) a CUDA build ended the building process with SIGSEGV,
+where no exception can be caught (issue 23). Now such a crash ends the child: the note names the
+signal, the stage it died in (export_load, package, load, run) and the torch version, the bundle
+is written without that package (dynamo's artifacts and Mega-Cache serve the group), and the
+remaining packages of the same save are not tried (each would cost a build to crash the same
+way; the notes say so). A Python error in the child is a note for that package only.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from surgery.runtime.aoti_bundle import PREFIX, AotiRunner, layout_of, open_package
+from surgery.runtime.aoti_child import ChildFailed, build_in_child
 from surgery.runtime.bundle_parts import AOTI_KIND, KIND_FIELD, SOURCES_FIELD
 from surgery.runtime.call_example import Example
 
 # Inductor options that concern a JIT compile only (CUDA graphs, the compile pool): not passed
 # to AOTInductor, which rejects some of them.
-# The switch that lets a CUDA bundle carry packages (see the docstring), and what is said without.
-CUDA_OPT_IN = "SURGERY_AOTI_CUDA"
-CUDA_OFF_NOTE = ("no AOTInductor packages on CUDA: building one crashed the process (SIGSEGV) on "
-                 f"the one GPU run (H200, torch 2.11); set {CUDA_OPT_IN}=1 to build them anyway")
 _JIT_ONLY = ("triton.cudagraphs", "triton.cudagraph_trees", "compile_threads")
 
 
@@ -100,84 +97,39 @@ def _inductor_configs(patches: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _close(got: Any, want: Any) -> bool:
-    ga, wa = torch.utils._pytree.tree_flatten(got), torch.utils._pytree.tree_flatten(want)
-    if ga[1] != wa[1] or len(ga[0]) != len(wa[0]):
-        return False
-    for g, w in zip(ga[0], wa[0], strict=True):
-        if isinstance(w, torch.Tensor):
-            if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
-                return False
-            tol = 1e-3 if w.dtype in (torch.float32, torch.float64) else 3e-2
-            scale = float(w.abs().max()) if w.numel() and w.is_floating_point() else 0.0
-            if w.numel() and float((g.double() - w.double()).abs().max()) > tol * (1 + scale):
-                return False
-        elif g != w:
-            return False
-    return True
-
-
 def build_one(group: Any, module: nn.Module, example: Example, *, device: str
               ) -> tuple[bytes, dict[str, Any]]:
-    """One package's bytes and its index fields (constants, inputs); raises ValueError (or
-    torch's error) naming why it cannot be built."""
-    from torch._inductor import aoti_compile_and_package  # heavy: inductor's AOT compiler
-
+    """One package's bytes and its index fields (constants, inputs), proven in a child process
+    (surgery.runtime.aoti_child); raises ValueError (or torch's error) naming why it cannot be
+    built here, ChildFailed for what the child could not do."""
     if why := _why_not(example):
         raise ValueError(why)
+    configs = _inductor_configs(group.backend.config_patches)
+    try:
+        json.dumps(configs)
+    except (TypeError, ValueError):
+        raise ValueError("its inductor options are not plain values") from None
     wrapper = Region(module if group.bound else None, group.target)
+    weights: dict[str, torch.Tensor] = dict(wrapper.named_parameters())
+    weights.update(wrapper.named_buffers())
     with example.modes():
         args, kwargs = example.build()
         ep = torch.export.export(wrapper, args, kwargs, strict=False)
-    sig = ep.graph_signature
-    if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
-        raise ValueError("it mutates a buffer or an input in place")
-    folder = tempfile.mkdtemp(prefix="surgery-aoti-build-")
-    path = os.path.join(folder, "package.pt2")
-    try:
-        aoti_compile_and_package(ep, package_path=path,
-                                 inductor_configs=_inductor_configs(group.backend.config_patches))
-        with open(path, "rb") as f:
-            data = f.read()
-    finally:
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
-    weights: dict[str, torch.Tensor] = dict(wrapper.named_parameters())
-    weights.update(wrapper.named_buffers())
-    loader = open_package(data, device=device)
-    fqns = loader.get_constant_fqns()
-    if not all(f.startswith(PREFIX) and f in weights for f in fqns):
-        raise ValueError("it needs a constant that is not a weight of the module")
-    constants = [[f[len(PREFIX):], layout_of(weights[f])] for f in sorted(fqns)]
+        sig = ep.graph_signature
+        if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
+            raise ValueError("it mutates a buffer or an input in place")
+        trials = {"own": {k: v.detach() for k, v in weights.items()},
+                  "random": {k: torch.randn_like(v) if v.is_floating_point() else v.detach()
+                             for k, v in weights.items()}}
+        wants = {f"want_{t}": torch.func.functional_call(wrapper, w, args, kwargs)
+                 for t, w in trials.items()}
     n_inputs = sum(isinstance(x, torch.Tensor)
                    for x in torch.utils._pytree.tree_leaves((args, kwargs)))
-    runner = AotiRunner(loader, constants, bound=group.bound, inputs=n_inputs)
-    with example.modes():
-        for trial in ("own", "random"):
-            use = dict(weights) if trial == "own" else {
-                k: torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
-            probe = nn.Module() if group.bound else None
-            if probe is not None:  # a module of the same tree, holding ``use``
-                _plant(probe, {k[len(PREFIX):]: v for k, v in use.items()})
-            ok, got = runner.try_call((probe, *args) if group.bound else args, kwargs)
-            want = torch.func.functional_call(wrapper, use, args, kwargs)
-            if not ok or not _close(got, want):
-                raise ValueError(f"its output does not follow the weights it is given ({trial} "
-                                 "weights)")
+    data, constants = build_in_child(
+        ep, {"args": args, "kwargs": kwargs, **trials, **wants},
+        {"configs": configs, "device": str(device), "bound": bool(group.bound),
+         "modes": example.mode_record(), "inputs": n_inputs})
     return data, {"constants": constants, "inputs": n_inputs}
-
-
-def _plant(root: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put ``tensors`` at their fqns under ``root`` (as buffers of empty modules)."""
-    for fqn, t in tensors.items():
-        *path, name = fqn.split(".")
-        m = root
-        for p in path:
-            if p not in m._modules:
-                m._modules[p] = nn.Module()
-            m = m._modules[p]  # type: ignore[assignment]
-        m._buffers[name] = t
 
 
 def build_entries(groups: Iterable[Any], *, device: str, signature_text: Callable[[Any], str],
@@ -190,8 +142,7 @@ def build_entries(groups: Iterable[Any], *, device: str, signature_text: Callabl
     data = bytearray()
     entries: list[dict[str, Any]] = []
     notes: list[str] = []
-    if str(device).startswith("cuda") and os.environ.get(CUDA_OPT_IN) != "1":
-        return b"", [], [CUDA_OFF_NOTE]
+    crashed = ""  # the first build that crashed its process: the rest are not tried
     for g in groups:
         if g.identity is None or g.dynamic is True or g.failed is not None:
             continue
@@ -204,9 +155,17 @@ def build_entries(groups: Iterable[Any], *, device: str, signature_text: Callabl
                 notes.append(f"{name}: no AOTInductor package (no torch AOT artifact to say "
                              "which code it inlines)")
                 continue
+            if crashed:
+                notes.append(f"{name}: no AOTInductor package (not tried: {crashed})")
+                continue
             try:
                 blob, fields = build_one(g, module, example, device=device)
-            except Exception as e:  # export, AOTInductor or the proof: dynamo's part remains
+            except ChildFailed as e:  # the child's build, load or run: dynamo's part remains
+                notes.append(f"{name}: no AOTInductor package ({e})")
+                if e.crashed:
+                    crashed = f"the build of {name} crashed"
+                continue
+            except Exception as e:  # export or the eager reference: dynamo's part remains
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 notes.append(f"{name}: no AOTInductor package ({type(e).__name__}: {first})")
                 continue
