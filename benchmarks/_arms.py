@@ -85,6 +85,16 @@ def cold_start_as_before() -> None:
     compile_start.pool_wanted = lambda *a, **k: False  # type: ignore[assignment]
 
 
+def pieces_fused() -> None:
+    """The ``*_fused`` arms: compile_start's size rule off (``LIGHT_PIECE_ELEMENTS`` 0), so a
+    launch-bound piece builds inductor code again unless its share makes it light."""
+    import surgery.runtime.compile_start as compile_start
+
+    if not hasattr(compile_start, "LIGHT_PIECE_ELEMENTS"):  # a no-op patch would compare nothing
+        raise RuntimeError("compile_start has no LIGHT_PIECE_ELEMENTS: update this arm")
+    compile_start.LIGHT_PIECE_ELEMENTS = 0
+
+
 def print_arm_result(run: Callable[[], dict[str, Any]], ident: dict[str, str]) -> None:
     """In an arm's own process: print ``run()``'s result as one JSON line, or its failure
     (type and first line of the message) as the arm's result, after the traceback on stderr."""

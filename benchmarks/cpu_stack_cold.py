@@ -7,10 +7,12 @@ FakeCapturer: captures by running the work, replays by running it again) stands 
 the pieces compile with CPU inductor (C++ builds: slower than Triton's, so read the counts and
 the ratio, not the seconds). Each arm is a fresh process with an empty inductor cache.
 
-Arms: ``after`` (main: the stack's once-a-step pieces light), ``before`` (every piece inductor, as
-before compile_start). ``--as-torch211`` makes transformers build the causal mask inside the
-compiled graph, as it does on torch < 2.14 (pytorch#176499: there ``is_torchdynamo_exporting()``
-reads True under dynamo), which gives the stack extra small pieces, as on the H200's torch 2.11.
+Arms: ``after`` (main: every piece of this launch-bound decode light, by compile_start's size
+rule), ``fused`` (the size rule off: the once-a-step pieces light by their share, the middle piece
+inductor), ``before`` (every piece inductor, as before compile_start). ``--as-torch211`` makes
+transformers build the causal mask inside the compiled graph, as it does on torch < 2.14
+(pytorch#176499: there ``is_torchdynamo_exporting()`` reads True under dynamo), which gives the
+stack extra small pieces, as on the H200's torch 2.11.
 
     python benchmarks/cpu_stack_cold.py [--layers 12] [--width 64] [--as-torch211]
 
@@ -35,9 +37,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from _arms import child_result, cold_start_as_before, fresh_cache_env  # noqa: E402
+from _arms import (  # noqa: E402
+    child_result,
+    cold_start_as_before,
+    fresh_cache_env,
+    pieces_fused,
+)
 
-ARMS = ("after", "before")
+ARMS = ("after", "fused", "before")
 
 
 def run_arm(arm: str, layers: int, width: int, as211: bool) -> dict[str, Any]:
@@ -54,6 +61,8 @@ def run_arm(arm: str, layers: int, width: int, as211: bool) -> dict[str, Any]:
         masking.is_torchdynamo_exporting = lambda: torch.compiler.is_compiling()
     if arm == "before":
         cold_start_as_before()
+    if arm == "fused":
+        pieces_fused()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=100,

@@ -29,6 +29,11 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
   gpt2_stack_before  gpt2_stack without runtime/compile_start's cuts (light pieces, the compile
                   pool started at apply): what they save in cold start, and cost in speed (ask
                   for it with --arms)
+  gpt2_stack_fused  gpt2_stack with compile_start's size rule off (LIGHT_PIECE_ELEMENTS 0):
+                  the stack's launch-bound pieces build inductor code as before the rule (the
+                  middle piece with inductor, the others light by share): what the rule saves
+                  in cold start, and whether it costs speed (ask for it with --arms)
+  gpt2_ab_fused   gpt2_ab with the size rule off, the same way (ask for it with --arms)
   gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
                   ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
                   the eager model, the stack plan applied to the other; both warmed at full
@@ -101,6 +106,7 @@ from _arms import (  # noqa: E402
     fresh_cache_env,
     latency,
     paths_per_kind,
+    pieces_fused,
     print_arm_result,
     time_call,
 )
@@ -109,12 +115,13 @@ from _host_profile import host_profile  # noqa: E402
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
         "sdpa_piecewise_lightfusion", "gpt2_eager", "gpt2_piecewise", "gpt2_stack",
-        "gpt2_stack_before", "gpt2_ab")
+        "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
                                                   "sdpa_piecewise_lightfusion", "gpt2_ab",
-                                                  "gpt2_stack_before"))
+                                                  "gpt2_stack_before", "gpt2_stack_fused",
+                                                  "gpt2_ab_fused"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -435,7 +442,9 @@ def run_gpt2(arm: str) -> dict[str, Any]:
     recompiles = _watch_recompiles()
     if arm == "gpt2_stack_before":
         cold_start_as_before()
-    if arm in ("gpt2_piecewise", "gpt2_stack", "gpt2_stack_before"):
+    if arm == "gpt2_stack_fused":
+        pieces_fused()
+    if arm in ("gpt2_piecewise", "gpt2_stack", "gpt2_stack_before", "gpt2_stack_fused"):
         manifest = _gpt2_plan(arm, model, ids, out)
         t0 = time.perf_counter()
         handle = _apply_gpt2(model, manifest, ids, cuda)
@@ -477,7 +486,7 @@ def _pin(pin: bool) -> str:
     return f"cpu {core}"
 
 
-def run_gpt2_ab(rounds: int, pin: bool) -> dict[str, Any]:
+def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
     """Eager and the stack plan in one process, taking turns: R rounds, each one generate() of
     each, the first of the pair alternating (round 0 eager first). The host's placement of the
     process, its clocks and caches are then shared by both models, unlike two arms' processes."""
@@ -485,7 +494,9 @@ def run_gpt2_ab(rounds: int, pin: bool) -> dict[str, Any]:
 
     import torch
 
-    out: dict[str, Any] = {"arm": "gpt2_ab", "pinned": _pin(pin)}
+    out: dict[str, Any] = {"arm": arm, "pinned": _pin(pin)}
+    if arm == "gpt2_ab_fused":
+        pieces_fused()
     stack, ids, cuda = _gpt2_setup()
     eager = copy.deepcopy(stack)  # untouched: no hooks, no compiled regions
     base = torch.cuda.memory_allocated() if cuda else 0  # both models' weights
@@ -554,7 +565,7 @@ def table(results: list[dict[str, Any]]) -> str:
         if "error" in r:
             rows.append(f"| {r['arm']} | failed: {r['error'][:160]} | | | | | | | | |")
             continue
-        if r["arm"] == "gpt2_ab":  # its own table below
+        if r["arm"].startswith("gpt2_ab"):  # its own table below
             continue
         fam = r["arm"].split("_")[0]
         eager, names = by.get(f"{fam}_eager", {}), by.get(f"{fam}_names", {})
@@ -571,7 +582,7 @@ def table(results: list[dict[str, Any]]) -> str:
                     f"{r['cold_s']:.1f} | {r['steady_peak_gib']:.2f} | {cov} | {pw} | {check} |")
     if len(rows) == 2:  # only gpt2_ab arms: no row for this table
         rows = []
-    rows += ab_table([r for r in results if r["arm"] == "gpt2_ab" and "error" not in r])
+    rows += ab_table([r for r in results if r["arm"].startswith("gpt2_ab") and "error" not in r])
     prof = [r for r in results if "host_shares" in r]
     if prof:
         names = list(prof[0]["host_shares"])
@@ -595,7 +606,7 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
         per = ", ".join(f"{x:.2f}x ({f[0]})" for x, f in
                         zip(r["round_speedups"], r["first_in_round"], strict=True))
         rows.append(
-            f"| {r['rounds']} rounds | {r['eager_ms_per_token']:.3f} / "
+            f"| {r['arm']}, {r['rounds']} rounds | {r['eager_ms_per_token']:.3f} / "
             f"{r['eager_p90_ms_per_token']:.3f} | {r['stack_ms_per_token']:.3f} / "
             f"{r['stack_p90_ms_per_token']:.3f} | **{r['speedup']:.2f}x** | {per} | "
             f"{r['eager_steady_peak_gib']:.2f} / {r['stack_steady_peak_gib']:.2f} | "
@@ -657,7 +668,8 @@ def main() -> None:
     if args.cpu_backend:  # the arms' processes inherit it
         os.environ["GPU_PIECEWISE_CPU_BACKEND"] = args.cpu_backend
     if args.arm:
-        run = (lambda: run_gpt2_ab(args.rounds, args.pin)) if args.arm == "gpt2_ab" else \
+        run = (lambda: run_gpt2_ab(args.rounds, args.pin, args.arm)) \
+            if args.arm.startswith("gpt2_ab") else \
             (lambda: run_gpt2(args.arm)) if args.arm.startswith("gpt2") else \
             (lambda: run_sdpa(args.arm, args.frames))
         print_arm_result(run, {"arm": args.arm})

@@ -24,6 +24,9 @@ Arms, each a fresh process with an empty inductor/Triton cache:
   evidence_before
             the evidence plan without surgery.runtime.compile_start's cold-start cuts (light
             pieces, the compile pool started at apply): what they save, and cost in speed
+  evidence_fused
+            the evidence plan with surgery.runtime.compile_start's size rule off: launch-bound
+            pieces (GPT-2's decode stack) build inductor code again (ask for it with --arms)
   evidence_inductor
             the same plan with its light regions (surgery.planning.compile_cost: small compile
             groups new to the names plan, aot_eager under region capture) put back on inductor,
@@ -64,13 +67,14 @@ from _arms import (  # noqa: E402
     cold_start_as_before,
     latency,
     paths_per_kind,
+    pieces_fused,
     print_arm_result,
     run_grid,
     time_call,
 )
 
 MODELS = ("sdpa", "flux", "gpt2_generate", "gpt2_static")
-ARMS = ("eager", "names", "evidence", "evidence_before", "evidence_inductor")
+ARMS = ("eager", "names", "evidence", "evidence_before", "evidence_fused", "evidence_inductor")
 TINY = os.environ.get("GPU_PLANS_SIZE") == "tiny"
 WARM = 2 if TINY else 20  # sdpa: frames before timing (the camera trunk's window is 16)
 NEW_TOKENS = 4 if TINY else 16
@@ -165,9 +169,11 @@ def run_arm(name: str, arm: str, n_calls: int) -> dict[str, Any]:
     manifest = None
     if arm == "names":
         manifest = plan_model(f"gpu_plans:{FACTORY[name]}", compile=compile_defaults()).manifest
-    elif arm in ("evidence", "evidence_before", "evidence_inductor"):
+    elif arm in ("evidence", "evidence_before", "evidence_fused", "evidence_inductor"):
         if arm == "evidence_before":
             cold_start_as_before()
+        if arm == "evidence_fused":
+            pieces_fused()
         def step(m: Any) -> None:
             with torch.no_grad():  # planned under no_grad, deployed under inference_mode
                 unit(m)

@@ -19,8 +19,10 @@ from surgery.planning.plan import plan_module
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.compile_options import plan_region
 from surgery.runtime.compile_start import (
+    LIGHT_PIECE_ELEMENTS,
     LIGHT_PIECE_SHARE,
     POOL_NOTE,
+    launch_bound,
     light_allowed,
     light_pieces,
     pool_wanted,
@@ -133,6 +135,7 @@ def test_a_stack_compiles_its_first_and_last_piece_light_and_tokens_stay_eager(
     dims (piece_cache)."""
     # 3 blocks, not 12: the first piece is 13% of the pieces' ops, the last 27%
     monkeypatch.setattr(compile_start, "LIGHT_PIECE_SHARE", 0.3)
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # the share rule alone
     full, light = _counting(monkeypatch)
     model, ref, rec = _install_stack(3, FakeCapturer())
     ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -148,7 +151,7 @@ def test_a_stack_compiles_its_first_and_last_piece_light_and_tokens_stay_eager(
 
 def test_without_region_capture_every_piece_keeps_the_plans_backend(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compile_start, "LIGHT_PIECE_SHARE", 0.3)
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_SHARE", 0.3)  # and the size rule on: tiny
     full, light = _counting(monkeypatch)
     model, ref, rec = _install_stack(3, None)
     ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -161,12 +164,58 @@ def test_default_share_leaves_a_short_stack_alone(monkeypatch: pytest.MonkeyPatc
     """At the default share (``LIGHT_PIECE_SHARE``), 3 blocks are too few for any light piece:
     only a long stack's once-a-step pieces fall under it (GPT-2 small: 3% and 7%)."""
     assert pytest.approx(0.1) == LIGHT_PIECE_SHARE
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # the share rule alone
     full, light = _counting(monkeypatch)
     model, ref, rec = _install_stack(3, FakeCapturer())
     ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         same_as_eager(generate(model, ids, 6), generate(ref, ids, 6))
     assert len(full) == 3 and light == [] and rec.pieces_compiled == 3
+
+
+def test_a_launch_bound_stack_builds_no_plan_backend_piece(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny GPT-2's decode (every activation at most 128 elements, under LIGHT_PIECE_ELEMENTS)
+    under a stand-in capturer: every piece compiles light, none with the plan's backend, the
+    report says why, and tokens and cache are eager's, bit for bit, with one dynamo graph."""
+    assert LIGHT_PIECE_ELEMENTS == 1 << 16
+    full, light = _counting(monkeypatch)
+    model, ref, rec = _install_stack(3, FakeCapturer())
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = generate(ref, ids, 12)
+        for _ in range(2):
+            same_as_eager(generate(model, ids, 12), want)
+    assert full == [] and len(light) == 3, (full, light)  # first, middle (shared), last
+    assert rec.pieces_compiled == 3 and rec.pieces_light == 3 and rec.pieces_shared >= 1
+    assert rec.compiles == 1 and rec.recompiles == 0 and rec.status == "compiled"
+    assert any("launch-bound" in n and f"{rec.pieces} of {rec.pieces}" in n for n in rec.notes)
+
+
+def test_a_piece_over_the_size_keeps_the_plans_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the bound between tiny GPT-2's widths (qkv 96 elements, MLP 128) and the share rule
+    off: the first piece (embeddings, ln_1, qkv) is light, the two holding an MLP are not."""
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 100)
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_SHARE", 0.0)
+    full, light = _counting(monkeypatch)
+    model, ref, rec = _install_stack(3, FakeCapturer())
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        same_as_eager(generate(model, ids, 8), generate(ref, ids, 8))
+    assert len(full) == 2 and len(light) == 1, (full, light)
+    assert rec.pieces_light == 1 and any("1 of" in n and "launch-bound" in n for n in rec.notes)
+
+
+@pytest.mark.parametrize(("largest", "want"), [
+    pytest.param([768, 3072, 3072], [True] * 3, id="gpt2-small-decode-batch-1"),
+    pytest.param([32 * 768, 32 * 3072], [True, False], id="a batch of 32: the MLP is not"),
+    pytest.param([1 << 16, (1 << 16) + 1], [True, False], id="the bound is inclusive"),
+    pytest.param([None, 0], [False, True], id="unknown is never small"),
+])
+def test_launch_bound(largest: list[int | None], want: list[bool]) -> None:
+    assert launch_bound(largest) == want
+    # the size rule makes a piece light whatever its share
+    assert light_pieces([(str(i), 50) for i in range(len(largest))], largest) == want
 
 
 # --- inductor's compile workers -------------------------------------------------------------
@@ -240,6 +289,28 @@ def test_apply_on_the_cpu_starts_no_pool(monkeypatch: pytest.MonkeyPatch) -> Non
                             passes=1)
     assert handle.report.records[0].backend == "inductor"  # wanted on CUDA, not here
     assert asked == [False] and started == [] and POOL_NOTE not in handle.report.notes
+    handle.restore()
+
+
+def test_a_piecewise_region_starts_no_pool_at_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPT-2 stack (piecewise regions only, inductor, CUDA's condition stood in): the pool is
+    not started at apply, since its pieces' sizes decide after the trace whether inductor builds
+    anything; a plain inductor region beside it would start it."""
+    started: list[bool] = []
+    asked: list[list[str | None]] = []
+    monkeypatch.setattr(compile_start, "_warm_pool", lambda: started.append(True) or True)
+    monkeypatch.setattr(compile_start, "pool_wanted",
+                        lambda b, d, loaded: asked.append(list(b)) or bool(asked[-1]))
+    model = tiny_gpt2(2)
+    m = plan_module(model, source="test", piecewise=True).manifest
+    m.compile.update({"backend": "inductor", "on_cpu": "compile"})
+    assert {r.kind for r in m.regions} == {"piecewise"}
+    handle = apply_manifest(model, m, warmup=lambda _: None, passes=1)
+    assert asked == [[]] and started == [] and POOL_NOTE not in handle.report.notes
+    handle.restore()
+    net = _Net()
+    handle = apply_manifest(net, _net_manifest(net, "inductor"), warmup=lambda _: None, passes=1)
+    assert asked[-1] == ["inductor"] and started == [True]
     handle.restore()
 
 

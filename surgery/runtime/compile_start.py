@@ -28,6 +28,23 @@ those costs come from *when* and *what* inductor compiles, not from the pieces t
   region capture has light pieces; a plain per-block graph (two pieces of about half each) and
   the SDPA example's blocks have none. On a host-bound decode (GPT-2 at batch 1 on an H200)
   the GPU waits on the host, so the unfused kernels of two graphs a token cost no step time.
+- **Pieces too small for fusion to matter** (``LIGHT_PIECE_ELEMENTS``). A piece whose every
+  activation (each op's output, and each input that is not a parameter or buffer) holds at most
+  2**16 elements is launch-bound: on an H200 an elementwise kernel over 64K fp32 elements moves
+  512 KB in about 0.15 us, against 1-2 us for each kernel node of a graph, so fusing its ops
+  saves a few microseconds of GPU time a piece, which a host-bound step never sees; its matmuls
+  are cuBLAS calls whoever compiles it. So under region capture it compiles light, whatever
+  its share. GPT-2's decode at batch 1 (hidden 768, MLP 3072 wide) is that case for all 13 pieces
+  of the stack: the stack then builds no inductor code at all, where the middle piece's inductor
+  build (about 4 s on the H200, with inductor's one-time set-up) was the larger half of its
+  cold start beside dynamo's trace. Larger steps (the SDPA example's 1000-token frames, a
+  prefill, a decode at batch 32) keep inductor. The record's ``pieces_light`` counts both kinds,
+  and a note says how many were light by size.
+- **No early pool for a piecewise region.** Whether its pieces compile with inductor is known
+  only after dynamo traced it (their sizes), so a piecewise region does not start the pool at
+  apply: a plain inductor region of the same plan does, and otherwise inductor starts it at the
+  first piece it builds, as without compile_start. Started for a stack that builds no inductor
+  code, its workers (each importing torch) only take the host's cores from the trace.
 
 What it does not do: it changes no guard, trace or split, so outputs, recompiles and the cache
 growth are as before (aot_eager runs the same aten ops as eager, so a light piece's values are
@@ -45,9 +62,14 @@ from typing import Any
 import torch
 from torch import fx
 
+from surgery.formats.manifest import PIECEWISE_KIND
+
 # A piece whose ops (times its copies in the graph) are under this share of the graph's piece
 # ops compiles with LIGHT_PIECE_BACKEND under region capture.
 LIGHT_PIECE_SHARE = 0.1
+# A piece none of whose activations holds more elements than this is launch-bound: it compiles
+# with LIGHT_PIECE_BACKEND under region capture, whatever its share (0 turns the rule off).
+LIGHT_PIECE_ELEMENTS = 1 << 16
 LIGHT_PIECE_BACKEND = "aot_eager"
 # Backends whose compiles use inductor's worker pool (Triton kernels on CUDA).
 POOL_BACKENDS = frozenset({"inductor"})
@@ -55,14 +77,29 @@ POOL_NOTE = ("inductor's compile workers started at apply, before the first trac
              "while dynamo traces: surgery.runtime.compile_start)")
 
 
-def light_pieces(pieces: Sequence[tuple[str | None, int]]) -> list[bool]:
+def light_pieces(pieces: Sequence[tuple[str | None, int]],
+                 largest: Sequence[int | None] | None = None) -> list[bool]:
     """For each piece of one graph, given as (its canonical code or None, its ops that do work):
     whether it is light. Pieces of the same code count together (one compile serves them all);
-    a piece without a code (it cannot be shared) counts alone."""
+    a piece without a code (it cannot be shared) counts alone. ``largest``, per piece: the
+    elements of its largest activation (None: not known), for the size rule."""
     copies = Counter(code for code, _ in pieces if code is not None)
     weights = [ops * (copies[code] if code is not None else 1) for code, ops in pieces]
     total = sum(ops for _, ops in pieces)  # every piece's ops once: the work of one call
-    return [total > 0 and w < LIGHT_PIECE_SHARE * total for w in weights]
+    small = launch_bound(largest) if largest is not None else [False] * len(pieces)
+    return [total > 0 and (w < LIGHT_PIECE_SHARE * total or s)
+            for w, s in zip(weights, small, strict=True)]
+
+
+def launch_bound(largest: Sequence[int | None]) -> list[bool]:
+    """Per piece: whether its largest activation is at most ``LIGHT_PIECE_ELEMENTS``."""
+    return [n is not None and n <= LIGHT_PIECE_ELEMENTS for n in largest]
+
+
+def size_note(light_by_size: int, pieces: int) -> str:
+    return (f"{light_by_size} of {pieces} piece(s) compiled {LIGHT_PIECE_BACKEND} (light): every "
+            f"activation at most {LIGHT_PIECE_ELEMENTS} elements, launch-bound, so inductor's "
+            "fusion would save no step time under region capture (surgery.runtime.compile_start)")
 
 
 def light_allowed(backend: str, capture_region: bool) -> bool:
@@ -102,10 +139,11 @@ def _warm_pool() -> bool:
 
 
 def start_compile_pool(slots: Iterable[Any], device: str, cache: Any) -> list[str]:
-    """Before the warm-up: start inductor's workers if a pending region will compile with
-    inductor on CUDA and no bundle was given (``cache``: the report's CacheRecord, or None).
-    Returns the report notes (one, or none)."""
-    backends = [s.record.backend for s in slots if s.record.status == "pending"]
+    """Before the warm-up: start inductor's workers if a pending region other than a piecewise
+    one will compile with inductor on CUDA and no bundle was given (``cache``: the report's
+    CacheRecord, or None). Returns the report notes (one, or none)."""
+    backends = [s.record.backend for s in slots
+                if s.record.status == "pending" and s.record.kind != PIECEWISE_KIND]
     if not pool_wanted(backends, device, cache is not None):
         return []
     return [POOL_NOTE] if _warm_pool() else []

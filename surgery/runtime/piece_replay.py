@@ -196,6 +196,7 @@ class StaticPiece(nn.Module):
         self._single, self._perm = canonical_output(gm)
         self.work = True
         self.light = False  # compiles with the light backend (surgery.runtime.compile_start)
+        self.largest: int | None = None  # elements of its largest activation, if known
         self._owner = [owner]
         self.kid = -1  # id of the compiled callable: one per key (ensure)
         # a call's parameters/buffers and its other inputs, picked in one C-level call each

@@ -44,7 +44,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
-from surgery.runtime.compile_start import light_allowed, light_pieces
+from surgery.runtime.compile_start import launch_bound, light_allowed, light_pieces, size_note
 from surgery.runtime.piece_cache import PieceCache, canonical_graph
 from surgery.runtime.piece_replay import PathPieces, StaticPiece, inline_between
 
@@ -162,6 +162,40 @@ def _ops(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
 
 
+def _elements(value: Any) -> int | None:
+    """The elements of the largest tensor in a node's value (0: none; None: not known, or
+    symbolic)."""
+    if isinstance(value, torch.Tensor):
+        n = value.numel()
+        return n if isinstance(n, int) else None
+    if isinstance(value, list | tuple):
+        sizes = [_elements(v) for v in value]
+        return None if None in sizes else max(sizes, default=0)  # type: ignore[type-var]
+    if value is None or isinstance(value, int | float | bool | str | torch.dtype |
+                                   torch.device | torch.Size):
+        return 0
+    return None
+
+
+def largest_activations(between: dict[fx.Node, bool], part: dict[fx.Node, int],
+                        stable: set[str]) -> dict[int, int | None]:
+    """Per static part: the elements of its largest activation, each op's output and each
+    input that is not a parameter or buffer (a graph input in ``stable``, or a ``get_attr``);
+    None where a value is not known (compile_start's size rule then leaves it alone)."""
+    out: dict[int, int | None] = {}
+    for node, b in between.items():
+        if b:
+            continue
+        idx = part[node]
+        values = [node, *(a for a in node.all_input_nodes if a.op != "get_attr"
+                          and not (a.op == "placeholder" and a.name in stable))]
+        for v in values:
+            n = _elements(v.meta["example_value"]) if "example_value" in v.meta else None
+            have = out.get(idx, 0)
+            out[idx] = None if n is None or have is None else max(have, n)
+    return out
+
+
 class PiecewiseGraph:
     """One dynamo graph split into pieces; called by dynamo as the compiled graph.
 
@@ -186,6 +220,7 @@ class PiecewiseGraph:
                 pid += 1
             part[node], last = pid, b
         kinds = {part[n]: b for n, b in between.items()}
+        largest = largest_activations(between, part, stable)
         self.split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
         self.state_for = state_for
         self.static: list[StaticPiece] = []
@@ -203,6 +238,7 @@ class PiecewiseGraph:
                           if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in stable]
             piece = StaticPiece(len(self.static), sub, stable_pos, pieces, self)
             piece.work = _is_work(sub)
+            piece.largest = largest.get(idx)
             self.static.append(piece)
             setattr(self.split, node.target, piece)
         # a piecewise region's graph (``backend``: its plan's) may have light pieces: pieces
@@ -210,9 +246,16 @@ class PiecewiseGraph:
         path = state_for()
         if backend is not None and light_allowed(backend, getattr(path, "capturer", None)
                                                  is not None):
-            flags = light_pieces([(canonical_graph(p.gm), _work(p.gm)) for p in self.static])
+            sizes = [p.largest for p in self.static]
+            flags = light_pieces([(canonical_graph(p.gm), _work(p.gm)) for p in self.static],
+                                 sizes)
             for p, flag in zip(self.static, flags, strict=True):
                 p.light = flag
+            by_size = sum(s and p.work for s, p in zip(launch_bound(sizes), self.static,
+                                                       strict=True))
+            note = size_note(by_size, self.pieces)
+            if by_size and path is not None and note not in path.notes:
+                path.notes.append(note)
         self.inlined = inline_between(self.split, {p.gm for p in self.static})
 
     @property
