@@ -43,8 +43,13 @@ rule, as for the bare step: a shared host preempts at random). A pass whose step
 paths or another number of them (a step that branches) spreads each path's mean step total
 evenly over that path's calls in the tree (the mean: the fastest could be a step without it).
 The levels take turns step by step, so that in a model whose state grows with every step (a
-stream's KV cache) each level sees the same range of states. The cost is ``timed_steps`` steps
-a level (GPT-2: 5 levels) instead of ``timed_steps`` in all.
+stream's KV cache) each level sees the same range of states. The bare steps, the hook-free
+steps whose fastest is the step every share is of, take their turn in the same rounds: timed
+before the passes, they saw other states than the spans did. On the H200 the SDPA example at
+LingBot size ran its first frames slower than the later ones (the caches' growing tensors still
+allocated anew), so the root's span came out at 128 of a 209 ms bare step, and 39% of the step
+showed up as "outside every module call", a remainder no region could cover.
+The cost is ``timed_steps`` steps a level (GPT-2: 5 levels) instead of ``timed_steps`` in all.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class LevelTimes:
     calls: list[tuple[str, int, float]]
     pass_step_ms: list[float]
     timed: int  # spans recorded in all passes
+    bare_ms: list[float]  # the hook-free steps, one a round, taking turns with the passes
 
 
 def call_levels(calls: Sequence[Call]) -> dict[str, int]:
@@ -129,8 +135,9 @@ def time_levels(model: nn.Module, timed: Callable[[], float], *, calls: Sequence
                 methods: Sequence[str], cuda: bool, clock: Clock | None, timed_steps: int,
                 cost: HookCost) -> LevelTimes:
     """Time ``timed()`` (one step, returning its ms) ``timed_steps`` times a nesting level, with
-    hooks on that level's paths only (the levels taking turns step by step); the spans merged
-    on the reference step's call tree."""
+    hooks on that level's paths only, and ``timed_steps`` times with no hook (the bare steps
+    the shares are of), all taking turns step by step; the spans merged on the reference step's
+    call tree."""
     levels = call_levels(calls)
     ref = reference_step(calls)
     watched = set(methods)
@@ -144,7 +151,9 @@ def time_levels(model: nn.Module, timed: Callable[[], float], *, calls: Sequence
         passes.append((paths, timer, []))
     # Round robin, one step a level at a time: a model whose state grows step by step (a stream's
     # KV cache) shows every level the same range of states, not the last level the longest.
+    bare: list[float] = []
     for s in range(timed_steps):
+        bare.append(timed())  # no hook installed: the figure that counts
         for _paths, timer, step_ms in passes:
             with timer:
                 timer.step = s
@@ -156,7 +165,7 @@ def time_levels(model: nn.Module, timed: Callable[[], float], *, calls: Sequence
         n_timed += len(spans)
         _assign(ms, ref, paths, spans, timed_steps)
     return LevelTimes([(c.path, c.parent, ms[i]) for i, c in enumerate(ref)],
-                      [min(step_ms) for _p, _t, step_ms in passes], n_timed)
+                      [min(step_ms) for _p, _t, step_ms in passes], n_timed, bare)
 
 
 def _corrected(spans: list[tuple[str, int, float, int]],

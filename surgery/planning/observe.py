@@ -326,19 +326,19 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
                  "model.generate(...) or a loop over them; not a model of its own")
     if timed_steps <= 0:
         return obs
+    # Module times, one nesting level a pass (surgery.planning.level_timing): no span holds the
+    # hooks of a call inside it. The bare steps take turns with the passes, so that a stream's
+    # state is the same for both.
+    cost = calibrate(cuda=cuda, clock=clock)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    bare = [timed() for _ in range(timed_steps)]  # no hook installed: the figure that counts
-    if cuda:  # the eager peak, which plan's estimate of the peak with graphs adds to
-        obs.eager_peak_bytes = int(torch.cuda.max_memory_allocated())
-    # Module times, one nesting level a pass (surgery.planning.level_timing): no span holds the
-    # hooks of a call inside it.
-    cost = calibrate(cuda=cuda, clock=clock)
     lt = time_levels(model, timed, calls=w.calls, methods=methods, cuda=cuda, clock=clock,
                      timed_steps=timed_steps, cost=cost)
+    if cuda:  # the eager peak (timing events hold no tensor), which plan's estimate adds to
+        obs.eager_peak_bytes = int(torch.cuda.max_memory_allocated())
     # The fastest of each: a shared host preempts steps at random, and a preempted step says
     # nothing about the model (timeit's rule).
-    obs.bare_step_ms = min(bare)
+    obs.bare_step_ms = min(lt.bare_ms)
     obs.hooked_step_ms = max(lt.pass_step_ms)
     if not lt.timed or obs.bare_step_ms <= 0:
         what = "no module call was timed" if not lt.timed else "the step took no measurable time"
