@@ -262,6 +262,7 @@ def _cold_breakdown(handle: Any, out: dict[str, Any],
         "pieces_compiled": sum(r.pieces_compiled for r in recs),
         "pieces_shared": sum(r.pieces_shared for r in recs),
         "pieces_light": sum(r.pieces_light for r in recs),
+        "pieces_restrided": sum(r.pieces_restrided for r in recs),
         "new_structure_calls": sum(r.new_structure_calls for r in pw),
         "empty_cache_calls": sum(r.empty_cache_calls for r in pw)}
     b = out["cold_breakdown"]
@@ -619,7 +620,8 @@ def cold_table(results: list[dict[str, Any]]) -> str:
     """The cold start of each arm that has a breakdown, where it went."""
     keys = ("dynamo_trace_s", "backend_s", "piece_compile_s", "capture_s", "rest_s",
             "dynamo_graphs", "piecewise_graphs", "plain_compiles", "pieces_compiled",
-            "pieces_shared", "pieces_light", "new_structure_calls", "empty_cache_calls")
+            "pieces_shared", "pieces_light", "pieces_restrided", "new_structure_calls",
+            "empty_cache_calls")
     rows = ["| arm | cold s | vs names | " + " | ".join(keys) + " |",
             "|---" * (len(keys) + 3) + "|"]
     triggers = []

@@ -29,7 +29,9 @@ What is shared, and the key that makes two pieces interchangeable (``piece_key``
 A piece with the same key reuses the compiled callable, and, per region path, the same region
 graphs (surgery.runtime.piecewise_split.PathPieces): a capture is made once per path and piece,
 not once per graph, and since the callable already ran, the path's first call of it captures
-(``ready``) instead of waiting for a second one.
+(``ready``) instead of waiting for a second one. A piece whose key differs from a compiled one
+only in the strides of inputs that are not weights takes that compile too, its inputs copied into
+the compiled layout (surgery.runtime.piece_restride, where it is safe).
 
 What it does not do: it never compares weights (they are inputs), and a piece that fails the key
 (an unknown input type) compiles on its own, as before.
@@ -46,6 +48,7 @@ import torch
 from torch import fx
 
 from surgery.runtime.compile_start import LIGHT_PIECE_BACKEND, compile_light
+from surgery.runtime.piece_restride import RestridedPiece, copy_safe, differing, loose_key
 
 # Alignment inductor checks an input's data pointer against (its `ALIGNMENT`).
 _ALIGN = 16
@@ -156,11 +159,14 @@ def piece_key(gm: fx.GraphModule, args: Sequence[Any], stable_pos: Sequence[int]
 
 
 class CompiledPiece:
-    """A compiled piece and how often it ran (a piece that ran may be captured at once)."""
+    """A compiled piece and how often it ran (a piece that ran may be captured at once), and
+    the strides of the inputs it was compiled for (a piece of other strides may copy into
+    them: surgery.runtime.piece_restride)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], strides: Sequence[Any] = ()) -> None:
         self.fn = fn
         self.runs = 0
+        self.strides = tuple(strides)
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
@@ -168,36 +174,72 @@ class CompiledPiece:
         return out
 
 
+# What the cache hands out: a compiled piece, or one behind copies into its input layout.
+Piece = CompiledPiece | RestridedPiece
+
+
 @dataclass
 class PieceCache:
     """The compiled pieces of one apply, by key, and what sharing them saved."""
 
     compile_fn: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
-    compiled: dict[tuple[Any, ...], CompiledPiece] = field(default_factory=dict)
+    compiled: dict[tuple[Any, ...], Piece] = field(default_factory=dict)
+    # by loose key (piece_restride): the pieces compiled here, with their exact keys
+    loose: dict[tuple[Any, ...], tuple[CompiledPiece, tuple[Any, ...]]] = \
+        field(default_factory=dict)
     compiles: int = 0  # pieces compiled
     light: int = 0  # of them, light pieces (surgery.runtime.compile_start)
     shared: int = 0  # pieces that took a callable already compiled
+    restrided: int = 0  # of them, a compile of other input strides (piece_restride)
     compile_s: float = 0.0  # seconds spent compiling pieces
 
     def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int],
-            light: bool = False) -> tuple[CompiledPiece, tuple[Any, ...] | None, bool]:
+            light: bool = False) -> tuple[Piece, tuple[Any, ...] | None, bool]:
         """(the compiled piece, its key, whether it was compiled now) for these inputs. A light
         piece takes a full compile of the same key when one exists (the better code, for no
         compile); otherwise it compiles with the light backend, under a key of its own, which a
-        full piece never takes."""
+        full piece never takes. Failing an exact key, a compile of the same key but for the
+        strides of inputs that are not weights serves, its inputs copied (piece_restride)."""
         key = piece_key(gm, args, stable_pos)
         found = self.compiled.get(key) if key is not None else None
         if key is not None and light and found is None:
-            key = (*key, LIGHT_PIECE_BACKEND)
-            found = self.compiled.get(key)
+            found = self.compiled.get((*key, LIGHT_PIECE_BACKEND))
+            key = key if found is None else (*key, LIGHT_PIECE_BACKEND)
+        if key is not None and found is None:
+            found, key = self._restrided(gm, key, stable_pos, light)
         if found is not None:
             self.shared += 1
             return found, key, False
+        if key is not None and light:
+            key = (*key, LIGHT_PIECE_BACKEND)
         t0 = time.perf_counter()
-        piece = CompiledPiece((compile_light if light else self.compile_fn)(gm, args))
+        piece = CompiledPiece((compile_light if light else self.compile_fn)(gm, args),
+                              [a.stride() if isinstance(a, torch.Tensor) else None
+                               for a in args])
         self.compile_s += time.perf_counter() - t0
         self.compiles += 1
         self.light += light
         if key is not None:
             self.compiled[key] = piece
+            self.loose.setdefault(loose_key(key, stable_pos)[0], (piece, key))
         return piece, key, True
+
+    def _restrided(self, gm: fx.GraphModule, key: tuple[Any, ...], stable_pos: Sequence[int],
+                   light: bool) -> tuple[RestridedPiece | None, tuple[Any, ...]]:
+        """A compiled piece of this code and these inputs but for the strides of non-weights,
+        behind copies into its layout (a full compile first; a light one only for a light
+        piece), kept under this exact key; or None."""
+        for k in ((key, (*key, LIGHT_PIECE_BACKEND)) if light else (key,)):
+            lk, free = loose_key(k, stable_pos)
+            hit = self.loose.get(lk)
+            if hit is None:
+                continue
+            inner, inner_key = hit
+            copied = differing(k, inner_key, free)
+            if not copied or not copy_safe(gm, copied):
+                return None, key
+            piece = RestridedPiece(inner, inner.runs, [(i, inner.strides[i]) for i in copied])
+            self.compiled[k] = piece
+            self.restrided += 1
+            return piece, k
+        return None, key

@@ -41,7 +41,8 @@ from torch import fx, nn
 
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.graphs.replay import RegionGraphs
-from surgery.runtime.piece_cache import CompiledPiece, PieceCache
+from surgery.runtime.piece_cache import Piece, PieceCache
+from surgery.runtime.piece_restride import RestridedPiece
 
 
 def canonical_output(gm: fx.GraphModule) -> tuple[bool, tuple[int, ...] | None]:
@@ -122,6 +123,7 @@ class PathPieces:
         self.compiled = 0  # pieces this path compiled
         self.light = 0  # of them, with the light backend (surgery.runtime.compile_start)
         self.shared = 0  # pieces this path found compiled (surgery.runtime.piece_cache)
+        self.restrided = 0  # of them, behind copies into another layout (piece_restride)
         self.compile_s = 0.0  # seconds this path spent compiling pieces
         self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
 
@@ -190,7 +192,7 @@ class StaticPiece(nn.Module):
         self.stable_set = frozenset(stable_pos)
         self.arity = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         self._pieces = [pieces]  # a list: not a submodule
-        self._fn: CompiledPiece | None = None
+        self._fn: Piece | None = None
         self.key: Any = None  # what makes it interchangeable with other pieces (piece_cache)
         # its values come back in the graph's order (canonical_output); put back per caller
         self._single, self._perm = canonical_output(gm)
@@ -203,7 +205,7 @@ class StaticPiece(nn.Module):
         self._take_stable = _picker(stable_pos)
         self._take_dynamic = _picker([j for j in range(self.arity) if j not in self.stable_set])
 
-    def ensure(self, args: Sequence[Any], state: PathPieces | None) -> CompiledPiece:
+    def ensure(self, args: Sequence[Any], state: PathPieces | None) -> Piece:
         """The compiled piece: compiled now, or the callable of an identical piece."""
         if self._fn is None:
             t0 = time.perf_counter()
@@ -219,6 +221,7 @@ class StaticPiece(nn.Module):
                     state.compile_s += time.perf_counter() - t0
                 else:
                     state.shared += 1
+                    state.restrided += isinstance(self._fn, RestridedPiece)
         return self._fn
 
     def run_canonical(self, args: list[Any]) -> Any:

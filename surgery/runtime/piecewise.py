@@ -90,8 +90,7 @@ from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper, first_line
 
-# Calls without a compile after which a path stops marking its cache (the graph is dynamic).
-_STABLE_CALLS = 2
+_STABLE_CALLS = 2  # calls without a compile after which a path stops marking its cache
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
 PIECEWISE_MAX_COMPILES = 8
 # A further list-cache structure compiles only once it holds for two calls in a row (see
@@ -185,7 +184,8 @@ class PiecewiseSlot:
         g = self.graphs
         assert g is not None
         rec.graphs_captured, rec.cuda_graph_replays = g.captures, g.replays
-        rec.pieces_compiled, rec.pieces_shared, rec.pieces_light = g.compiled, g.shared, g.light
+        rec.pieces_compiled, rec.pieces_shared, rec.pieces_light, rec.pieces_restrided = \
+            g.compiled, g.shared, g.light, g.restrided
         rec.piece_compile_s, rec.capture_s = g.compile_s, g.capture_s
         if rec.compiles > self.budget:
             self._demote(f"recompiled {rec.compiles} times (over its budget of {self.budget}) "

@@ -83,13 +83,12 @@ class RegionRecord:
     pieces_compiled: int = 0
     pieces_shared: int = 0
     pieces_light: int = 0  # of pieces_compiled, with the light backend (runtime.compile_start)
+    pieces_restrided: int = 0  # of pieces_shared, inputs copied to its strides (piece_restride)
     piece_compile_s: float = 0.0  # seconds it spent compiling them (after dynamo's trace)
     # calls that ran eager because their list cache had a structure not compiled yet (it
     # compiles once two calls in a row show it: surgery.runtime.cache_sources)
     new_structure_calls: int = 0
-    # calls that ran eager because their tensor cache was empty (a prefill: once a stream;
-    # surgery.runtime.cache_sources)
-    empty_cache_calls: int = 0
+    empty_cache_calls: int = 0  # calls run eager on an empty tensor cache (a prefill; as above)
 
     # The old names, kept for code written against them.
     @property

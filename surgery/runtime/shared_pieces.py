@@ -65,6 +65,7 @@ class RecordPieces:
     # The counters piece_cache keeps, read and written on the region's record.
     compiled = _record_counter("pieces_compiled", int)
     shared = _record_counter("pieces_shared", int)
+    restrided = _record_counter("pieces_restrided", int)
     compile_s = _record_counter("piece_compile_s", float)
 
 
