@@ -20,12 +20,20 @@ Variants of surgery (the names-only plan, ``apply_manifest`` defaults):
   outputs  a path's first output set shared with paths whose outputs are released by then
   all      also the static input buffers shared by layout (the default)
 
-``whole`` (``torch.compile(model)``; for GPT-2 its ``forward``, which ``generate()`` calls, with
-dynamic shapes) runs in a process of its own, with ``--whole-timeout`` (150 s). From an empty
-stream the SDPA example recompiled the whole model on every frame while its KV caches grew (did
-not finish in 530 s, then 60 s, on the H200), so this arm fills them with eager frames first and
-compiles the steady state once (run_whole says why). It prints its progress, so a timeout says
-how far it got (``progress`` in its result).
+``whole`` (``torch.compile(model)``; for GPT-2 ``torch.compile(model.forward, dynamic=True)``, as a
+user compiles for generate()'s growing cache, no CUDA graphs) runs in a process of its own, with
+``--whole-timeout`` (150 s). The SDPA example fills its caches with eager frames first and
+compiles the steady state once (run_whole says why). The backend is watched
+(benchmarks/_whole.py): each compiled graph prints a progress line with its operator count, so
+a timeout says how far the compile got, and the result has the graphs, operators, graph breaks
+and the backend's seconds. ``--deep`` builds the models at their real depth and tiny width: a
+CPU run then counts the graphs and operators the H200 compiles (1 graph of 5868 operators for
+SDPA, 2 of 615 and 566 for GPT-2), from which its compile time is estimated.
+
+``--ab ROUNDS`` times each surgery arm again in ROUNDS turns with an eager twin (shared weights)
+in the same process, after its peaks were read (benchmarks/_turns.py), and prints each variant's
+speed against the code before issue 20 (``before:unrouted``) in the same turns. Every timed arm
+runs with inductor's compile workers stopped.
 
 Peaks are ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the timed
 steps, after compile and capture, plus the peak over compile and warm-up; weights included.
@@ -51,7 +59,8 @@ harness call), so each arm's peak holds the workspaces its own calls make; ``ws_
 what was freed. After each surgery arm a probe matmul on the default stream says whether the
 arm made a workspace there (``default_ws``: "made" when the probe made none).
 
-    python benchmarks/gpu_memory.py --all --models sdpa --variants outputs   # H200: about 3 min
+    python benchmarks/gpu_memory.py --all --models sdpa --variants before:unrouted,outputs --ab 5
+    python benchmarks/gpu_memory.py --all --models gpt2 --variants before:unrouted,outputs --ab 7
     python benchmarks/gpu_memory.py --all --models gpt2,timm_vit,hf_bert --whole-timeout 0 \
         --streams default,user --variants before,outputs
     python benchmarks/gpu_memory.py --all --models gpt2 --variants before,outputs
@@ -59,6 +68,7 @@ arm made a workspace there (``default_ws``: "made" when the probe made none).
         --streams default --variants outputs --routes on,off   # the route against none
     python benchmarks/gpu_memory.py --model sdpa --variants all      # one model, this process
     python benchmarks/gpu_memory.py --all --tiny                     # CPU smoke run (peaks 0)
+    python benchmarks/gpu_memory.py --model sdpa --whole --deep      # the H200's graph counts
 """
 
 from __future__ import annotations
@@ -76,30 +86,42 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from _arms import child_result, fresh_cache_env, latency, print_arm_result  # noqa: E402
+from _turns import eager_twin, take_turns  # noqa: E402
+from _whole import WatchedBackend, graph_breaks, progress, stop_compile_workers  # noqa: E402
 
 MODELS = ("sdpa", "gpt2", "timm_vit", "hf_bert")
 STREAMS = ("default", "user")
 ROUTES = ("on", "off")
 VARIANTS = {"before": (False, False), "outputs": (True, False), "all": (True, True)}
-TINY = os.environ.get("GPU_MEMORY_SIZE") == "tiny"
+SIZE = os.environ.get("GPU_MEMORY_SIZE", "")
+# "deep": the models' real depth (24 blocks of each kind, 12 GPT-2 layers, 128-token prompt, 32
+# new tokens) at tiny width, so that a CPU run counts the graphs and operators the H200 compiles.
+DEEP = SIZE == "deep"
+TINY = SIZE in ("tiny", "deep")
 WARM, TIMED = (2, 3) if TINY else (20, 24)
-NEW_TOKENS = 4 if TINY else 32
+NEW_TOKENS = 4 if TINY and not DEEP else 32
 FILL_CACHES = 20  # eager frames that fill every SDPA cache (camera trunk: 16), at any size
 GENERATES = 2 if TINY else 4  # timed generate() calls (ms per token over each)
 GIB = 2**30
+AB_STEPS = 4  # steps of each side's turn with --ab (GPT-2: generate() calls, capped at GENERATES)
 
 
 def gpt2() -> Any:
     """The factory ``plan_model("gpu_memory:gpt2")`` plans."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    if DEEP:
+        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=12, n_head=4))
     return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4) if TINY else GPT2Config())
 
 
 def sdpa() -> Any:
-    from surgery.examples import lingbot_sdpa, tiny_sdpa
+    from surgery.examples.sdpa import LINGBOT_SDPA, SdpaConfig, SdpaExampleModel
 
-    return tiny_sdpa() if TINY else lingbot_sdpa()
+    if DEEP:  # LingBot depth and windows, test width and frame size
+        return SdpaExampleModel(SdpaConfig(depth=LINGBOT_SDPA.depth,
+                                           camera_depth=LINGBOT_SDPA.camera_depth))
+    return SdpaExampleModel(SdpaConfig() if TINY else LINGBOT_SDPA)
 
 
 class Workload:
@@ -111,6 +133,9 @@ class Workload:
         self.name, self.device = name, device
         self.cuda = device == "cuda"
         if not self.cuda:  # the CPU machine's torchvision is built for CUDA torch (timm needs it)
+            # One thread: on the shared 2-core CPU, two spinning threads made eager frames 5-10x
+            # slower (the smoke runs' figures are not timings anyway, only that they finish).
+            torch.set_num_threads(1)
             sys.path.insert(0, os.path.join(ROOT, "tests"))
             from conftest import _let_torchvision_import_on_cpu_torch
 
@@ -123,7 +148,8 @@ class Workload:
         elif name == "gpt2":
             self.model = gpt2().to(device=device, dtype=torch.bfloat16).eval()
             g = torch.Generator().manual_seed(0)
-            self.prompt = torch.randint(0, 1000, (1, 16 if TINY else 128), generator=g).to(device)
+            prompt = 16 if TINY and not DEEP else 128
+            self.prompt = torch.randint(0, 1000, (1, prompt), generator=g).to(device)
             self.spec = "gpu_memory:gpt2"
         else:
             os.environ.setdefault("ZOO_SIZE", "tiny" if TINY else "")
@@ -153,8 +179,8 @@ class Workload:
         if self.name == "gpt2":  # each step is a whole generate() of NEW_TOKENS tokens
             steps = min(steps, GENERATES)
         if self.name == "sdpa":
-            if reset:
-                self.model.reset_stream()
+            if reset:  # the stream of the model called (an eager twin has its own)
+                getattr(call, "reset_stream", self.model.reset_stream)()
             ac = torch.autocast(self.device, dtype=torch.bfloat16)
             with torch.no_grad():
                 for i in range(fill + steps):
@@ -214,12 +240,27 @@ def on_stream(stream: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+def surgery_arms(variants: list[str], routes: tuple[str, ...], stream: str
+                 ) -> list[tuple[str, str]]:
+    """(variant, route) of each surgery arm, in order: a variant named ``V:unrouted`` runs
+    unrouted only; any other runs once per route (``off`` only on the default stream, where
+    there is a route to leave out)."""
+    arms = []
+    for v in variants:
+        base, _, only = v.partition(":")
+        for r in ("off",) if only == "unrouted" else routes:
+            if (r == "on" or stream == "default") and (base, r) not in arms:
+                arms.append((base, r))
+    return arms
+
+
 def run_model(name: str, variants: list[str], stream: str = "default",
-              routes: tuple[str, ...] = ("on",)) -> dict[str, Any]:
-    """Eager, then each surgery variant, in this process, on the same model and stream."""
+              routes: tuple[str, ...] = ("on",), ab: int = 0) -> dict[str, Any]:
+    """Eager, then each surgery variant, in this process, on the same model and stream (and,
+    with ``ab`` rounds, each variant's speed in turns with an eager twin)."""
     with on_stream(stream):
-        arms = [(v, r) for v in variants for r in routes if r == "on" or stream == "default"]
-        return {**_run_model(name, arms), "stream": stream}
+        arms = surgery_arms(variants, routes, stream)
+        return {**_run_model(name, arms, ab), "stream": stream}
 
 
 def free_workspaces(cuda: bool) -> float | None:
@@ -262,7 +303,7 @@ def default_workspace_made(cuda: bool) -> str:
     return "none" if grew > 2**20 else "made"
 
 
-def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
+def _run_model(name: str, arms: list[tuple[str, str]], ab: int = 0) -> dict[str, Any]:
     import torch
 
     from surgery import apply_manifest
@@ -279,6 +320,11 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
     _reset_peaks(cuda)
     eager = {"arm": "eager", **_speed(w.run(w.model)), **_peaks(cuda)}
     out["arms"] = [eager]
+    twin = None
+    if ab:  # before any surgery: shares the weights, its own stream state (_turns)
+        getattr(w.model, "reset_stream", lambda: None)()
+        twin = eager_twin(w.model)
+        w.run(twin, steps=0, fill=FILL_CACHES if name == "sdpa" else 0)
     t = time.perf_counter()
     manifest = plan_model(w.spec).manifest
     out["plan_s"] = round(time.perf_counter() - t, 2)
@@ -293,6 +339,7 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
                                 route_default_stream=route == "on")
         cold = time.perf_counter() - t
         compile_peak = _peaks(cuda)["peak_gib"]
+        stopped = stop_compile_workers()  # no worker pool beside the timed steps
         w.run(w.model, steps=2)  # the steady state: rings grown, every signature captured
         _reset_peaks(cuda)
         crossed = cross_stream_replays()
@@ -302,6 +349,7 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
         counts = handle.report.counts()
         res = {"arm": f"surgery:{v}" + ("" if route == "on" else ":unrouted"),
                **_speed(times), **_peaks(cuda), "ws_freed_mib": freed,
+               "workers_stopped": stopped,
                "routed_calls": handle.route.calls if handle.route is not None else 0,
                "compile_peak_gib": compile_peak, "cold_s": round(cold, 1),
                "regions": f"{counts['compiled']}/{len(handle.report)}",
@@ -316,6 +364,9 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
                "largest_paths": [[p.path, round((p.outputs + p.static_inputs) / 2**20, 1)]
                                  for p in sorted(mem.paths, key=lambda p: -(p.outputs +
                                                                            p.static_inputs))[:3]]}
+        if twin is not None:  # speed in turns with eager, the peaks already read
+            res.update(take_turns(lambda m: w.run(m, steps=AB_STEPS, fill=0, reset=False),
+                                  w.model, twin, ab))
         handle.restore()
         del handle, mem
         res["default_ws"] = default_workspace_made(cuda)  # after the peaks were read
@@ -324,9 +375,30 @@ def _run_model(name: str, arms: list[tuple[str, str]]) -> dict[str, Any]:
     return out
 
 
-def _progress(what: str, t0: float) -> None:
-    """One JSON line on stdout: how far the arm got (child_result keeps it on a timeout)."""
-    print(json.dumps({"progress": f"{what} at {time.perf_counter() - t0:.1f} s"}), flush=True)
+def counter_is_symbolic() -> bool:
+    """Whether this torch's ``dynamic_sources`` keeps a module's frame counter from recompiling:
+    a toy module counting its calls, compiled and called 3 times, makes one graph."""
+    import torch
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frames_seen = 0
+
+        def forward(self, x: Any) -> Any:
+            self.frames_seen += 1
+            return x * self.frames_seen
+
+    graphs: list[int] = []
+
+    def count(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
+
+    toy = torch.compile(Counter(), backend=count)
+    for _ in range(3):
+        toy(torch.ones(2))
+    return len(graphs) == 1
 
 
 def run_whole(name: str, stream: str = "default") -> dict[str, Any]:
@@ -345,10 +417,17 @@ def _run_whole(name: str) -> dict[str, Any]:
     with eager frames first and compiles the steady state once, at fixed lengths: its peak and
     speed are those of the steady stream, as the other arms' are; its cold start is one
     compile, not the growing frames'. Its frame counter is made a symbolic int (below), from the
-    first compile where torch has ``dynamic_sources``. GPT-2's sequence grows every token:
-    dynamic shapes."""
+    first compile where torch has ``dynamic_sources``.
+
+    GPT-2's sequence grows every token, so its forward is compiled as a user compiles it for a
+    growing DynamicCache: ``torch.compile(model.forward, dynamic=True)``, no CUDA graphs. That
+    is two graphs, the prefill (no cache yet) and the decode step (the cache's length symbolic),
+    and no recompile as the cache grows (the CPU run counts them).
+
+    The backend is watched (_whole.WatchedBackend): each graph prints a progress line with its
+    operator count and backend seconds as it is done, and the result carries them, so a timeout
+    still says how far the compile got."""
     import torch
-    from torch._dynamo.utils import counters
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
@@ -358,43 +437,58 @@ def _run_whole(name: str) -> dict[str, Any]:
     steady = name == "sdpa"
     if steady:  # every cache full: their lengths stay fixed from here (see above)
         w.run(w.model, steps=0, fill=FILL_CACHES)
-    _progress("model built" + (", caches filled by eager frames" if steady else ""), t0)
+    progress("model built" + (", caches filled by eager frames" if steady else ""), t0)
     _reset_peaks(cuda)
     t = time.perf_counter()
-    backend = "inductor" if cuda else "aot_eager"  # the CPU smoke run checks the arm, fast
+    backend = WatchedBackend("inductor" if cuda else "aot_eager", t0=t0)  # CPU: fast, same graphs
     # The example counts its frames in an int attribute (frames_seen), on which dynamo
     # specializes by default: a whole-model recompile every frame, then eager past the limit.
-    # torch's own hint for that is this flag (the counter becomes a symbolic int).
-    if hasattr(torch._dynamo.config, "allow_unspec_int_on_nn_module"):
-        torch._dynamo.config.allow_unspec_int_on_nn_module = True
-    # Without this the first compile specializes on the counter's value and the next frame
-    # compiles the whole model again (about a minute at LingBot size); a toy module with the
-    # same counter compiles 1 graph with it, 2 without (torch 2.14, aot_eager). The exact source
-    # name, and a pattern for a torch that names it otherwise (2.14 takes either).
-    if name == "sdpa" and hasattr(torch.compiler.config, "dynamic_sources"):
-        torch.compiler.config.dynamic_sources = "L['self'].frames_seen,.*frames_seen"
+    # ``dynamic_sources`` makes that one int symbolic from the first compile (the exact source
+    # name, and a pattern for a torch that names it otherwise). Where it does not take on this
+    # torch (a toy counter probed first), the fallback is torch's own hint for it,
+    # ``allow_unspec_int_on_nn_module``, which makes EVERY int attribute of every module
+    # symbolic: on GPT-2 that made dynamo's trace grow with the square of the layers (4 layers:
+    # 54 s against 12 s without it, on this CPU), so it is set only where needed.
+    unspec = False
+    if name == "sdpa":
+        if hasattr(torch.compiler.config, "dynamic_sources"):
+            torch.compiler.config.dynamic_sources = "L['self'].frames_seen,.*frames_seen"
+        if not counter_is_symbolic() and hasattr(torch._dynamo.config,
+                                                 "allow_unspec_int_on_nn_module"):
+            torch._dynamo.config.allow_unspec_int_on_nn_module = unspec = True
     if name == "gpt2":
         w.model.forward = torch.compile(w.model.forward, dynamic=True, backend=backend)
         call: Any = w.model
     else:
         call = torch.compile(w.model, backend=backend)
+    first = 0.0
     for i in range(2):
+        s = time.perf_counter()
         w.run(call, steps=1, fill=0, reset=not steady)
-        _progress(f"warm-up step {i + 1} done ({counters['stats']['unique_graphs']} graphs)", t0)
+        first = first or time.perf_counter() - s
+        progress(f"warm-up step {i + 1} done ({len(backend.graphs)} graph(s))", t0)
     cold = time.perf_counter() - t
     compile_peak = _peaks(cuda)["peak_gib"]
+    stopped = stop_compile_workers()  # no worker pool beside the timed steps (_whole says why)
     w.run(call, steps=1, fill=1, reset=not steady)
-    _progress("steady state reached", t0)
+    warm_graphs = len(backend.graphs)
+    progress("steady state reached", t0)
     _reset_peaks(cuda)
     times = w.run(call, fill=0 if steady else WARM, reset=not steady)
+    if len(backend.graphs) != warm_graphs:  # a recompile inside the timed steps: say so
+        progress(f"{len(backend.graphs) - warm_graphs} graph(s) compiled while timed", t0)
     return {"model": name, "arm": "whole", **_speed(times), **_peaks(cuda),
             "compile_peak_gib": compile_peak, "cold_s": round(cold, 1),
-            "graphs": counters["stats"]["unique_graphs"]}
+            "first_call_s": round(first, 1), **backend.summary(),
+            "graphs_while_timed": len(backend.graphs) - warm_graphs,
+            "graph_breaks": graph_breaks(), "workers_stopped": stopped,
+            "unspec_int_attributes": unspec,
+            "process_to_timed_s": round(time.perf_counter() - t0, 1)}
 
 
 def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout: int,
-            streams: tuple[str, ...] = ("default",), routes: tuple[str, ...] = ("on",)
-            ) -> list[dict[str, Any]]:
+            streams: tuple[str, ...] = ("default",), routes: tuple[str, ...] = ("on",),
+            ab: int = 0) -> list[dict[str, Any]]:
     """Each model on each stream: its eager and surgery arms in one fresh process, then the
     whole-model arm in another."""
     results = []
@@ -403,7 +497,8 @@ def run_all(models: list[str], variants: list[str], timeout: int, whole_timeout:
             tag = f"{name}_{stream}"
             ident = {"model": name, "stream": stream}
             res = child_result([__file__, "--model", name, "--variants", ",".join(variants),
-                                "--stream", stream, "--routes", ",".join(routes)],
+                                "--stream", stream, "--routes", ",".join(routes),
+                                "--ab", str(ab)],
                                env=fresh_cache_env(f"gpu_memory_{tag}"), timeout=timeout,
                                ident=ident)
             arms = res.pop("arms", [])
@@ -466,6 +561,10 @@ def table(results: list[dict[str, Any]]) -> str:
                 continue
             speed = (f"{eager['median_ms'] / a['median_ms']:.2f}x" if eager.get("median_ms")
                      else "")
+            if "ab_speedup" in a:  # the figure to trust: taken in turns with eager (_turns)
+                lo, hi = min(a["ab_round_speedups"]), max(a["ab_round_speedups"])
+                speed += (f"; in turns {a['ab_speedup']:.2f}x ({lo:.2f}-{hi:.2f}, "
+                          f"{a['ab_rounds']} rounds)")
             over = _overhead_mib(a, eager)
             peak = (f"{over:+.0f} MiB ({a['peak_mib'] / eager['peak_mib'] - 1:+.1%})"
                     if over is not None and a is not eager else "")
@@ -488,8 +587,37 @@ def table(results: list[dict[str, Any]]) -> str:
             rows.append(f"| {name} | {stream} | {a['arm']} | {a['median_ms']:.2f} "
                         f"| {a['p90_ms']:.2f} | {speed} | {a['peak_gib']:.3f} | {peak} | {vs} "
                         f"| {a['reserved_gib']:.3f} | {held} | {caps} | {a.get('cold_s', '')}"
-                        + (f" ({a['graphs']} graph(s))" if "graphs" in a else "") + " |")
-    return "\n".join(rows)
+                        + _compiled(a) + " |")
+    return "\n".join(rows + _against_before(results))
+
+
+def _against_before(results: list[dict[str, Any]]) -> list[str]:
+    """Lines under the table: each variant's speed in turns with eager, against the code
+    before issue 20's (nothing shared, unrouted) in the same process; the target is >= 0.95."""
+    lines = []
+    for r in results:
+        arms = {a.get("arm"): a for a in r.get("arms", []) if "ab_speedup" in a}
+        old = arms.get("surgery:before:unrouted") or arms.get("surgery:before")
+        for name, a in arms.items():
+            if old is None or a is old:
+                continue
+            ratio = a["ab_speedup"] / old["ab_speedup"]
+            lines.append(f"\n{r['model']} ({r.get('stream', 'default')} stream): {name} in turns "
+                         f"with eager {a['ab_speedup']:.3f}x against {old['arm']}'s "
+                         f"{old['ab_speedup']:.3f}x: {ratio:.3f} of its speed "
+                         f"({'within' if ratio >= 0.95 else 'MORE than'} the 5% allowed)")
+    return lines
+
+
+def _compiled(a: dict[str, Any]) -> str:
+    """What the whole arm compiled: graphs, their operator nodes, the backend's seconds."""
+    if "graphs" not in a:
+        return ""
+    if not a["graphs"]:
+        return " (**0 graphs compiled**)"
+    more = f"; {a['graphs_while_timed']} while timed" if a.get("graphs_while_timed") else ""
+    return (f" ({a['graphs']} graph(s), {a.get('ops', '?')} ops, backend "
+            f"{a.get('backend_s', '?')} s{more})")
 
 
 def _names(text: str, allowed: tuple[str, ...], what: str, ap: argparse.ArgumentParser
@@ -507,7 +635,8 @@ def main() -> None:
     ap.add_argument("--model", choices=MODELS)
     ap.add_argument("--models", help="comma-separated subset for --all")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"surgery variants, comma-separated, of {', '.join(VARIANTS)}")
+                    help=f"surgery variants, comma-separated, of {', '.join(VARIANTS)}; "
+                         "V:unrouted runs V without the stream route only")
     ap.add_argument("--stream", choices=STREAMS, default="default",
                     help="with --model: run every arm on the default stream or on a stream of "
                          "its own")
@@ -516,17 +645,25 @@ def main() -> None:
     ap.add_argument("--routes", default="on",
                     help="comma-separated of on,off: surgery with the stream route, and (on the "
                          "default stream) without it")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time each surgery arm in ROUNDS turns with an eager twin in the "
+                         "same process (speed only; benchmarks/_turns.py)")
     ap.add_argument("--whole", action="store_true", help="with --model: the whole-model arm")
     ap.add_argument("--whole-timeout", type=int, default=150,
                     help="seconds for each whole-model arm (0: skip it)")
     ap.add_argument("--timeout", type=int, default=200, help="per model, seconds")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run)")
+    ap.add_argument("--deep", action="store_true",
+                    help="the models' real depth at tiny width (a CPU run that counts the "
+                         "graphs and operators the H200 compiles)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    if args.tiny and not TINY:  # the size is read at import: re-run with it set
-        os.environ["GPU_MEMORY_SIZE"] = "tiny"
+    want = "deep" if args.deep else "tiny" if args.tiny else SIZE
+    if want != SIZE:  # the size is read at import: re-run with it set
+        os.environ["GPU_MEMORY_SIZE"] = want
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    variants = _names(args.variants, tuple(VARIANTS), "variant", ap)
+    variants = _names(args.variants, (*VARIANTS, *(f"{v}:unrouted" for v in VARIANTS)),
+                      "variant", ap)
     streams = tuple(_names(args.streams, STREAMS, "stream", ap))
     routes = tuple(_names(args.routes, ROUTES, "route", ap))
     if args.model and not args.all:
@@ -534,12 +671,14 @@ def main() -> None:
         if args.whole:
             print_arm_result(lambda: run_whole(args.model, args.stream), {**ident, "arm": "whole"})
         else:
-            print_arm_result(lambda: run_model(args.model, variants, args.stream, routes), ident)
+            print_arm_result(lambda: run_model(args.model, variants, args.stream, routes,
+                                               args.ab), ident)
         return
     if not args.all:
         ap.error("give --all, or --model")
     models = _names(args.models, MODELS, "model", ap) if args.models else list(MODELS)
-    results = run_all(models, variants, args.timeout, args.whole_timeout, streams, routes)
+    results = run_all(models, variants, args.timeout, args.whole_timeout, streams, routes,
+                      args.ab)
     print(table(results))
     for r in results:
         for a in r.get("arms", []):
