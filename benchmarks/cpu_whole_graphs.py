@@ -11,6 +11,7 @@ inductor compile of this family of models, from which gpu_memory.py's whole arms
 estimated (issue 20, fifth pass). About 2-4 minutes on this 2-core CPU.
 
     python benchmarks/cpu_whole_graphs.py
+    WHOLE_GRAPHS_BACKEND=inductor python benchmarks/cpu_whole_graphs.py   # CPU inductor's time
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def main() -> None:
     from surgery.examples import LINGBOT, ExampleConfig, ExampleModel
 
     t0 = time.perf_counter()
+    torch.set_num_threads(1)  # the shared 2-core host: two spinning threads slow it 5-10x
     torch.manual_seed(0)
     model = ExampleModel(ExampleConfig(depth=LINGBOT.depth)).to(torch.bfloat16).eval()
     xs = [model.example_input(seed=1000 + i) for i in range(model.config.window + 1)]
-    backend = WatchedBackend("aot_eager", t0=t0)
+    backend = WatchedBackend(os.environ.get("WHOLE_GRAPHS_BACKEND", "aot_eager"), t0=t0)
     with torch.no_grad():
         for x in xs[:-1]:  # fill the KV cache eagerly, as gpu_regions.py's arms do
             model(x)

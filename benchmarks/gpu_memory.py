@@ -339,8 +339,8 @@ def _run_model(name: str, arms: list[tuple[str, str]], ab: int = 0) -> dict[str,
                                 route_default_stream=route == "on")
         cold = time.perf_counter() - t
         compile_peak = _peaks(cuda)["peak_gib"]
-        stopped = stop_compile_workers()  # no worker pool beside the timed steps
         w.run(w.model, steps=2)  # the steady state: rings grown, every signature captured
+        stopped = stop_compile_workers()  # no worker pool beside the timed steps (_whole)
         _reset_peaks(cuda)
         crossed = cross_stream_replays()
         times = w.run(w.model)
@@ -469,8 +469,8 @@ def _run_whole(name: str) -> dict[str, Any]:
         progress(f"warm-up step {i + 1} done ({len(backend.graphs)} graph(s))", t0)
     cold = time.perf_counter() - t
     compile_peak = _peaks(cuda)["peak_gib"]
-    stopped = stop_compile_workers()  # no worker pool beside the timed steps (_whole says why)
     w.run(call, steps=1, fill=1, reset=not steady)
+    stopped = stop_compile_workers()  # no worker pool beside the timed steps (_whole says why)
     warm_graphs = len(backend.graphs)
     progress("steady state reached", t0)
     _reset_peaks(cuda)
