@@ -33,6 +33,24 @@ not once per graph, and since the callable already ran, the path's first call of
 only in the strides of inputs that are not weights takes that compile too, its inputs copied into
 the compiled layout (surgery.runtime.piece_restride, where it is safe).
 
+**Light across the apply** (``PieceWork``). compile_start's light pieces weigh a piece against
+the other pieces of *its own graph* (the GPT-2 stack's first and last pieces are 3% and 7% of
+its one graph). A plan with several piecewise regions has pieces that are a large share of their
+own graph and a small share of the step: the SDPA example's camera trunk (4 blocks) beside 24
+global blocks. The trunk's piece before attention (its norm, the fused qkv projection, the stack
+of k and v: 3 ops that do work) is 30% of the trunk's graph but about 1% of the pieces the
+apply's piecewise regions run a step; its inductor build (about 1 s on an H200) was one of the
+compiles the names-only plan does not pay, for fusing a layer norm's casts. So each piecewise
+group's graphs register their pieces as (code, ops that do work) times the group's paths (its
+blocks, which all run the code each step) and the copies of the code in the graph, a group
+counting once per code however many graphs it traces. A piece is also light when its code's
+work, summed over the groups that run it, is under ``LIGHT_PIECE_SHARE`` of all the work
+registered. For one piecewise region this is exactly the per-graph rule (every weight and the
+total scale by its paths), so the GPT-2 stack's pieces do not change. It knows only the groups
+traced before the graph: a group traced first is weighed against itself alone, and ordinary
+regions built from pieces (surgery.runtime.shared_pieces) are not counted, which can only make
+fewer pieces light. A light piece still replays as a CUDA graph and keeps eager's values.
+
 What it does not do: it never compares weights (they are inputs), and a piece that fails the key
 (an unknown input type) compiles on its own, as before.
 """
@@ -40,6 +58,7 @@ What it does not do: it never compares weights (they are inputs), and a piece th
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +66,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from surgery.runtime import compile_start
 from surgery.runtime.compile_start import LIGHT_PIECE_BACKEND, compile_light
 from surgery.runtime.piece_restride import RestridedPiece, copy_safe, differing, loose_key
 
@@ -174,6 +194,30 @@ class CompiledPiece:
         return out
 
 
+@dataclass
+class PieceWork:
+    """The piece work the apply's piecewise groups registered: (code, group) -> work a step."""
+
+    work: dict[tuple[object, int], int] = field(default_factory=dict)
+
+    def light(self, group: int, paths: int, pieces: Sequence[tuple[str | None, int]]
+              ) -> list[bool]:
+        """Register one graph of ``group`` (run by ``paths`` paths each step), its pieces as
+        (canonical code or None, ops that do work), and say which are light across the apply
+        (see the module docstring). A piece without a code counts alone, by its position."""
+        keys: list[object] = [code if code is not None else ("unshared", group, i)
+                              for i, (code, _) in enumerate(pieces)]
+        ops = dict(zip(keys, (n for _, n in pieces), strict=True))
+        for key, copies in Counter(keys).items():
+            self.work[(key, group)] = ops[key] * copies * max(paths, 1)
+        total = sum(self.work.values())
+        by_code: Counter[object] = Counter()
+        for (key, _), w in self.work.items():
+            by_code[key] += w
+        share = compile_start.LIGHT_PIECE_SHARE
+        return [total > 0 and by_code[k] < share * total for k in keys]
+
+
 # What the cache hands out: a compiled piece, or one behind copies into its input layout.
 Piece = CompiledPiece | RestridedPiece
 
@@ -192,6 +236,7 @@ class PieceCache:
     shared: int = 0  # pieces that took a callable already compiled
     restrided: int = 0  # of them, a compile of other input strides (piece_restride)
     compile_s: float = 0.0  # seconds spent compiling pieces
+    work: PieceWork = field(default_factory=PieceWork)  # the groups' pieces (light across them)
 
     def get(self, gm: fx.GraphModule, args: list[Any], stable_pos: Sequence[int],
             light: bool = False) -> tuple[Piece, tuple[Any, ...] | None, bool]:

@@ -93,8 +93,7 @@ from surgery.runtime.slots import _make_wrapper, first_line
 _STABLE_CALLS = 2  # calls without a compile after which a path stops marking its cache
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
 PIECEWISE_MAX_COMPILES = 8
-# A further list-cache structure compiles only once it holds for two calls in a row (see
-# surgery.runtime.cache_sources); False compiles each at once (what benchmarks compare with).
+# A further list-cache structure compiles once two calls in a row show it (False: at once)
 DEFER_STRUCTURES = True
 # Raised by a fullgraph compile past dynamo's recompile limit (a plain Exception).
 _RECOMPILE_LIMIT = (torch._dynamo.exc.FailOnRecompileLimitHit,)
@@ -342,7 +341,8 @@ class PiecewiseGroup:
         graph = PiecewiseGraph(gm, example_inputs, split_ops=self.split_ops,
                                cache_ids=slot.cache_ids if slot is not None else set(),
                                stable_ids=stable, pieces=self.pieces, backend=self.plan.backend,
-                               state_for=lambda: s.graphs if (s := _active()) else None)
+                               state_for=lambda: s.graphs if (s := _active()) else None,
+                               group=id(self), paths=len(self.slots))
         self.split_s += time.perf_counter() - t0
         self.graphs.append(graph)
         if slot is not None:

@@ -205,7 +205,7 @@ class PiecewiseGraph:
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                  split_ops: Sequence[str], cache_ids: set[int], stable_ids: set[int],
                  pieces: PieceCache, state_for: Callable[[], PathPieces | None],
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, group: int = 0, paths: int = 1) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         cache_inputs = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                         if id(e) in cache_ids}
@@ -247,10 +247,12 @@ class PiecewiseGraph:
         if backend is not None and light_allowed(backend, getattr(path, "capturer", None)
                                                  is not None):
             sizes = [p.largest for p in self.static]
-            flags = light_pieces([(canonical_graph(p.gm), _work(p.gm)) for p in self.static],
-                                 sizes)
-            for p, flag in zip(self.static, flags, strict=True):
-                p.light = flag
+            codes = [(canonical_graph(p.gm), _work(p.gm)) for p in self.static]
+            flags = light_pieces(codes, sizes)
+            # or a small share of all the apply's piecewise pieces (piece_cache.PieceWork)
+            across = pieces.work.light(group, paths, codes)
+            for p, flag, small in zip(self.static, flags, across, strict=True):
+                p.light = flag or small
             by_size = sum(s and p.work for s, p in zip(launch_bound(sizes), self.static,
                                                        strict=True))
             note = size_note(by_size, self.pieces)
