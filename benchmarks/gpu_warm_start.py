@@ -54,6 +54,7 @@ imports dynamo), building the model and filling its stream.
     python benchmarks/gpu_warm_start.py --models sdpa --profile    # + first load, first frames
     python benchmarks/gpu_warm_start.py --models sdpa --baseline   # + warm without warm_loader
     python benchmarks/gpu_warm_start.py --models hf_bert --aoti    # + warm from AOTI runners
+    python benchmarks/gpu_warm_start.py --models sdpa --profile-apply  # + whole apply profiled
 
 Prints a markdown table per model, then one JSON line.
 """
@@ -90,6 +91,23 @@ _STEADY = 20
 _PROFILE_ROWS = 60
 _PROFILE_SKIP = ("<built-in method builtins.exec>", "<built-in method builtins.__import__>",
                  "<built-in method _imp.exec_dynamic>", "<built-in method _imp.create_dynamic>")
+
+
+def pyc_missing(names: list[str]) -> int:
+    """How many of these modules were imported from source with no bytecode cached for them
+    (``importlib.util.cache_from_source``, which follows PYTHONPYCACHEPREFIX): each was compiled
+    in this process. A host whose site-packages has no .pyc pays that on every start."""
+    import importlib.util
+
+    n = 0
+    for name in names:
+        f = getattr(sys.modules.get(name), "__file__", None) or ""
+        if f.endswith(".py"):
+            try:
+                n += not os.path.exists(importlib.util.cache_from_source(f))
+            except (NotImplementedError, ValueError):
+                n += 1
+    return n
 
 
 def process_age() -> float:
@@ -278,7 +296,8 @@ def aoti_path(bundle: str) -> str:
 
 
 def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
-              ref_path: str, profile: bool = False, aoti: bool = False) -> dict[str, Any]:
+              ref_path: str, profile: bool = False, aoti: bool = False,
+              profile_apply: bool = False) -> dict[str, Any]:
     """One fresh process: build, fill the stream, apply, frames to the first replay, steady
     frames, reference output; the cold one then saves the bundle."""
     before: dict[str, float] = {"start_to_script": round(process_age() - (
@@ -332,16 +351,21 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
     overrides = {"on_cpu": "compile"} if not cuda else {}
     prof = cProfile.Profile() if profile and phase != "cold" else None
-    first_load = cProfile.Profile() if prof is not None else None
+    whole = cProfile.Profile() if profile_apply and phase != "cold" else None
+    first_load = cProfile.Profile() if prof is not None and whole is None else None
     if first_load is not None:
         _profile_first_load(pre, first_load)
     age0 = process_age()
     modules0 = set(sys.modules)
     t0 = time.perf_counter()
     with torch.inference_mode():
+        if whole is not None:
+            whole.enable()
         handle = apply_manifest(model, manifest, overrides=overrides,
                                 cache=None if phase == "cold" else
                                 aoti_path(bundle) if phase == "warm-aoti" else True)
+        if whole is not None:
+            whole.disable()
         apply_s = time.perf_counter() - t0
         if prof is not None:
             prof.enable()
@@ -389,10 +413,13 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         if setup else None,
         "profile": _top(prof) if prof is not None else [],
         "profile_first_load": _top(first_load) if first_load is not None else [],
+        "profile_apply": _top(whole) if whole is not None else [],
         "tracing_s": tracing, "backend_s": backend,
         "capture_s": capture,
         "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+        "dynamo_frames": int(counters["frames"]["total"]),
+        "pyc_missing": pyc_missing(new_modules),
         "precompiled": cache.precompiled if cache else 0,
         "aoti_runners": getattr(cache, "aoti", 0) if cache else 0,
         "imported": len(new_modules), "imported_heavy": [m for m in new_modules if any(
@@ -431,8 +458,8 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
-              keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False
-              ) -> list[dict[str, Any]]:
+              keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False,
+              profile_apply: bool = False) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
@@ -457,7 +484,8 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
                 "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
         res = child_result([__file__, "--phase", phase, "--models", name, "--manifest",
                             manifest, "--bundle", bundle, "--device", device, "--ref", ref,
-                            *(["--profile"] if profile else []), *(["--aoti"] if aoti else [])],
+                            *(["--profile"] if profile else []), *(["--aoti"] if aoti else []),
+                            *(["--profile-apply"] if profile_apply else [])],
                            env=penv, timeout=timeout, ident={"model": name, "phase": phase})
         results.append(res)
         if "error" in res:
@@ -507,9 +535,13 @@ def table(results: list[dict[str, Any]]) -> str:
                         "(the bundle's notes below say why)")
         if "aoti_packages" in r and not r["aoti_packages"]:
             rows.append("  NO AOTI PACKAGE BUILT (the notes below say why)")
+        rows.append(f"  counts: dynamo frames {r.get('dynamo_frames')}, graphs traced "
+                    f"{r['dynamo_graphs']}, precompiled installed {r.get('precompiled', 0)} "
+                    f"(AOTI runners {r.get('aoti_runners', 0)}), frames to the first replay "
+                    f"{r['frames_to_replay']}, modules imported from apply to it "
+                    f"{r.get('imported')} ({r.get('pyc_missing')} with no .pyc cached)")
         if r["phase"] != "cold":
-            rows.append(f"  AOTI runners {r.get('aoti_runners', 0)}; modules imported from "
-                        f"apply to the first replay: {r.get('imported')}, heavy: "
+            rows.append(f"  heavy modules imported from apply to the first replay: "
                         f"{r.get('imported_heavy')}")
         for note in r.get("not_precompiled", []) + r.get("not_packaged", []):
             rows.append(f"  not precompiled: {note[:200]}")
@@ -540,6 +572,7 @@ def _load_lines(r: dict[str, Any]) -> list[str]:
             rows.append(f"  load {a['group']}[{a['signature']}]: {a['seconds']} s; phases "
                         f"{a['phases']}; counters {a['counts']}; {a['imported']} modules")
     for key, what in (("profile_first_load", "the first artifact's load"),
+                      ("profile_apply", "apply_manifest, whole"),
                       ("profile", "the frames to the first replay")):
         if r.get(key):
             rows.append(f"  {r['phase']}: profile of {what} (cumulative s, own s, calls, "
@@ -563,6 +596,9 @@ def main() -> None:
                     help="keep the work folders (manifest, bundle, cache dirs)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the warm process's apply_manifest; print its top functions")
+    ap.add_argument("--profile-apply", action="store_true",
+                    help="cProfile the warm process's whole apply_manifest (instead of its "
+                         "first artifact's load)")
     ap.add_argument("--baseline", action="store_true",
                     help="add a warm process without surgery.runtime.warm_loader's cuts (A/B)")
     ap.add_argument("--aoti", action="store_true",
@@ -575,7 +611,7 @@ def main() -> None:
     if args.phase:
         print(json.dumps(run_phase(args.phase, args.models, args.manifest, args.bundle,
                                    args.device, args.ref, profile=args.profile,
-                                   aoti=args.aoti)))
+                                   aoti=args.aoti, profile_apply=args.profile_apply)))
         return
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     models = [m for m in args.models.split(",") if m]
@@ -586,7 +622,8 @@ def main() -> None:
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
                              timeout=args.timeout, keep=args.keep, profile=args.profile,
-                             baseline=args.baseline, aoti=args.aoti)
+                             baseline=args.baseline, aoti=args.aoti,
+                             profile_apply=args.profile_apply)
     print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
     print(table(results))
     print()

@@ -627,3 +627,38 @@ def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
     assert all(n >= 1 for n in got["runs"]), got  # the captures ran the runner
     assert got["close"], got
     assert got["heavy"] == [], got
+
+
+def test_a_call_under_autocast_is_exported_with_its_autocast(monkeypatch) -> None:
+    """A region called under autocast is packaged (it was refused before): the program handed
+    to the build child computes what the region computed under that autocast (bf16 out, equal
+    to eager's), although export itself ran with no autocast around it; the eager references
+    the child checks against are the same; the entry keeps the autocast in its modes."""
+    from surgery.runtime import aoti_build
+    from surgery.runtime.call_example import Example
+
+    seen: list[tuple[Any, Any, Any]] = []
+
+    def fake_child(program: Any, tensors: Any, spec: Any) -> tuple[bytes, list[Any]]:
+        seen.append((program, tensors, spec))
+        return b"pkg", []
+
+    monkeypatch.setattr(aoti_build, "build_in_child", fake_child)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        example = Example.of((x,), {})
+    assert example is not None and example.autocast
+    group = _Group("Lin.forward", example)
+    module = group.examples["Lin.forward"][0]
+    assert aoti_build._why_not(example) is None
+    aoti_build.build_one(group, module, example, device="cpu")
+    ((program, tensors, spec),) = seen
+    assert spec["modes"]["autocast"] == [["cpu", "bfloat16"]]
+    (arg,) = tensors["args"]
+    with torch.no_grad():
+        got = program.module()(arg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = module.lin(arg)
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert torch.equal(tensors["want_own"], want)

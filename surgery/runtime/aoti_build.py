@@ -5,23 +5,25 @@ surgery.runtime.aoti_bundle). For each compiled group (surgery.runtime.groups) a
 signature it ran with, from the example recorded at its first call (surgery.runtime.call_example):
 
 1. The call must be one a runner can stand for: grad off (the runner records no autograd graph,
-   so a call that would is left to dynamo), no autocast (export would have to trace it), and every
-   non-tensor value one the signature holds by value (int, bool, str, None: export specialises
-   them, and a float is not in the signature), with no dict below the top-level kwargs (their
-   order would decide which tensor goes where).
+   so a call that would is left to dynamo), and every non-tensor value one the signature holds by
+   value (int, bool, str, None: export specialises them, and a float is not in the signature),
+   with no dict below the top-level kwargs (their order would decide which tensor goes where).
 2. ``torch.export.export`` of a small module around the region's own module (``Region``), whose
    forward calls the group's function, so the weights are the module's own, named
-   ``inner.<fqn>``. A graph that mutates an input or a buffer is not packaged: the runner's writes
-   would have to land where eager's land, and nothing here proves they do.
+   ``inner.<fqn>``. A call made under autocast is exported with the same autocast entered inside
+   that forward (export records it as casts), none around it; the runner is chosen only for
+   calls under that autocast (it is in the signature). A graph that mutates an input or a
+   buffer is not packaged: the runner's writes would have to land where eager's land, and
+   nothing here proves they do.
 3. ``aoti_compile_and_package`` with the group's inductor options and
    ``aot_inductor.package_constants_in_so=False``: the weights stay out of the package. Every
    constant the package needs must be a parameter or buffer of the module (no lifted tensor).
-4. The build (step 3) and its proof run in a child process (surgery.runtime.aoti_child), never
-   in this one: the package is built there, loaded back from its bytes as a deployment loads it,
-   and run on the example twice, on the module's weights and on random weights of the same
-   layout, against the region run eagerly here (``functional_call``) on the same weights. Only
-   a package that the child built, loaded and ran, and whose output follows the weights it is
-   handed, is written.
+4. The build (step 3) runs in a child process, and its proof in a second, fresh one
+   (surgery.runtime.aoti_child), never in this one: the package is loaded back from its bytes
+   as a deployment loads it, and run on the example twice, on the module's weights and on
+   random weights of the same layout, against the region run eagerly here (``functional_call``)
+   on the same weights. Only a package that the children built, loaded and ran, and whose output
+   follows the weights it is handed, is written.
 5. Its code is checked like an artifact's (surgery.runtime.portable): the entry carries the
    source spans dynamo inlined into the torch AOT artifact of the same group and signature
    (non-strict export runs the same Python on the same example), checked against this process's
@@ -40,6 +42,7 @@ way; the notes say so). A Python error in the child is a note for that package o
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -49,7 +52,7 @@ from torch import nn
 
 from surgery.runtime.aoti_child import ChildFailed, build_in_child
 from surgery.runtime.bundle_parts import AOTI_KIND, KIND_FIELD, SOURCES_FIELD
-from surgery.runtime.call_example import Example
+from surgery.runtime.call_example import Example, modes_of
 
 # Inductor options that concern a JIT compile only (CUDA graphs, the compile pool): not passed
 # to AOTInductor, which rejects some of them.
@@ -57,25 +60,33 @@ _JIT_ONLY = ("triton.cudagraphs", "triton.cudagraph_trees", "compile_threads")
 
 
 class Region(nn.Module):
-    """The region as torch.export sees it: its module (``inner``) and its function."""
+    """The region as torch.export sees it: its module (``inner``) and its function, called
+    under the autocast the call ran under (``autocast``: (device type, dtype) pairs), entered
+    inside the forward so that export records it (``wrap_with_autocast``, then explicit casts
+    once decomposed): the package then computes what the region computed under it."""
 
-    def __init__(self, inner: nn.Module | None, fn: Callable[..., Any]) -> None:
+    def __init__(self, inner: nn.Module | None, fn: Callable[..., Any],
+                 autocast: tuple[tuple[str, torch.dtype], ...] = ()) -> None:
         super().__init__()
         if inner is not None:
             self.inner = inner
         self._fn = fn
         self._bound = inner is not None
+        self._autocast = autocast
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(self.inner, *args, **kwargs) if self._bound else self._fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in self._autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            if self._bound:
+                return self._fn(self.inner, *args, **kwargs)
+            return self._fn(*args, **kwargs)
 
 
 def _why_not(example: Example) -> str | None:
     """Why a runner cannot stand for this example's calls (None: it can)."""
     if example.grad and not example.inference:
         return "grad is on (the runner keeps no autograd graph)"
-    if example.autocast:
-        return "autocast is on"
 
     def leaf_problem(v: Any, depth: int) -> str | None:
         if isinstance(v, (tuple, list)):
@@ -109,12 +120,16 @@ def build_one(group: Any, module: nn.Module, example: Example, *, device: str
         json.dumps(configs)
     except (TypeError, ValueError):
         raise ValueError("its inductor options are not plain values") from None
-    wrapper = Region(module if group.bound else None, group.target)
+    wrapper = Region(module if group.bound else None, group.target, example.autocast)
     weights: dict[str, torch.Tensor] = dict(wrapper.named_parameters())
     weights.update(wrapper.named_buffers())
     with example.modes():
         args, kwargs = example.build()
+    # Exported with no autocast around it: the wrapper enters the call's own, which export
+    # records; autocast around export would be applied below what export traces, or not at all.
+    with modes_of({**example.mode_record(), "autocast": []}):
         ep = torch.export.export(wrapper, args, kwargs, strict=False)
+    with example.modes():
         sig = ep.graph_signature
         if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
             raise ValueError("it mutates a buffer or an input in place")

@@ -12,11 +12,12 @@ inside; ``torch._C._aoti.AOTIModelPackageLoader`` (C++, bound in torch._C) extra
 What is packaged (surgery.runtime.aoti_build). Per compiled group and static signature whose
 example torch.export accepts: the region's function, exported around its module, compiled by
 AOTInductor without its weights (``aot_inductor.package_constants_in_so=False``). Only calls with
-grad off (``no_grad`` or ``inference_mode``), no autocast, and arguments whose non-tensor values
-are in the signature by value (ints, bools, strings, None; no float, no nested dict): export
-specialises every other value, and the runner keeps no autograd graph. Each package is loaded
-back and run twice before it is written: on the module's weights, and on random weights of the
-same layout, against the region run eagerly on the same weights; a package whose output does not
+grad off (``no_grad`` or ``inference_mode``; under autocast too, exported with it inside), and
+arguments whose non-tensor values are in the signature by value (ints, bools, strings, None; no
+float, no nested dict): export specialises every other value, and the runner keeps no autograd
+graph. Each package is loaded back (in a fresh process: surgery.runtime.aoti_child) and run
+twice before it is written: on the module's weights, and on random weights of the same layout,
+against the region run eagerly on the same weights; a package whose output does not
 follow the weights it is given (torch folded one into the library) is not written.
 
 Whose weights. One loader per package, shared by every path of the group. Its constants are the
