@@ -418,7 +418,9 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         "capture_s": capture,
         "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-        "dynamo_frames": int(counters["frames"]["total"]),
+        # frames dynamo traced: one "bytecode_tracing" entry each (counters["frames"] misses
+        # fullgraph compiles, which skip the wrapper that counts them)
+        "dynamo_frames": len(metrics.get("bytecode_tracing", [])),
         "pyc_missing": pyc_missing(new_modules),
         "precompiled": cache.precompiled if cache else 0,
         "aoti_runners": getattr(cache, "aoti", 0) if cache else 0,

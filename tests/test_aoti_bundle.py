@@ -247,23 +247,26 @@ def test_weights_of_another_layout_never_reach_the_runner(site, opened) -> None:
     assert r1.compiles == 0 and r1.precompiled_runs >= 2
 
 
-def _runner(site: Path) -> aoti_bundle.AotiRunner:
-    """The bundle's one runner, loaded as a deployment loads it."""
+def _runner(site: Path, loader: str | None = None) -> aoti_bundle.AotiRunner:
+    """The bundle's one runner, loaded as a deployment loads it (by ``loader``, if given)."""
     meta, blob = bundle.read_bundle(str(site / "net.surgery.cache"), key=KEY)
     assert blob is not None
     (entries,) = bundle_parts.parse_aoti(meta, bundle_parts.split_blob(meta, blob)[1]).values()
-    ((data, _, constants, inputs, _),) = entries.values()
-    return aoti_bundle.AotiRunner(aoti_bundle.open_package(data, device="cpu"), constants,
-                                  bound=True, inputs=inputs)
+    ((data, _, constants, inputs, recorded, _),) = entries.values()
+    assert recorded == "package"  # what the prove child loaded it with here
+    opened = aoti_bundle.open_package(data, device="cpu", loader=loader or recorded)
+    return aoti_bundle.AotiRunner(opened, constants, bound=True, inputs=inputs)
 
 
 @pytest.mark.slow
-def test_one_path_sees_its_weight_changed_in_place_without_a_copy(site) -> None:
+@pytest.mark.parametrize("loader", aoti_bundle.LOADERS)
+def test_one_path_sees_its_weight_changed_in_place_without_a_copy(site, loader) -> None:
     """The weights are handed over by pointer (user_managed): an in-place change is seen with
-    no rebind; a second module is rebound; a replaced weight is rebound."""
+    no rebind; a second module is rebound; a replaced weight is rebound. The same through the
+    package loader and through the runner loader (the library run past the package loader)."""
     import premod  # type: ignore[import-not-found]
 
-    runner = _runner(site)
+    runner = _runner(site, loader)
     net = premod.build().eval()
     block, other = net.blocks
     x = premod.X
@@ -426,8 +429,12 @@ def _meta(entry: dict[str, Any], fmt: int = 2) -> dict[str, Any]:
 
 def test_an_aoti_entry_reads_back() -> None:
     assert bundle_parts.parse_aoti(_meta(GOOD_AOTI), b"abcd") == {
-        "g": {"s": (b"abcd", MODES, GOOD_AOTI["constants"], 1, SPANS)}}
+        "g": {"s": (b"abcd", MODES, GOOD_AOTI["constants"], 1, "package", SPANS)}}
     assert bundle_parts.parse_precompiled(_meta(GOOD_AOTI), b"abcd") == {}
+    runner = {**GOOD_AOTI, "loader": "runner"}
+    assert bundle_parts.parse_aoti(_meta(runner, fmt=3), b"abcd")["g"]["s"][4] == "runner"
+    assert bundle_parts.record_format([runner]) == bundle_parts.PRECOMPILED_FORMAT_AOTI_RUNNER
+    assert bundle_parts.record_format([GOOD_AOTI]) == bundle_parts.PRECOMPILED_FORMAT_AOTI
 
 
 @pytest.mark.parametrize("damage", [
@@ -441,11 +448,21 @@ def test_an_aoti_entry_reads_back() -> None:
     pytest.param({"constants": [["w", [[2], [1], "float32", "cpu"]]] * 2}, id="duplicate"),
     pytest.param({"constants": "w"}, id="not-a-list"),
     pytest.param({"sources": None}, id="no-sources"),
+    pytest.param({"loader": "dlopen-this"}, id="loader-not-listed"),
+    pytest.param({"loader": ["runner"]}, id="loader-not-text"),
 ])
 def test_a_malformed_aoti_entry_is_refused(damage: dict[str, Any]) -> None:
     entry = {k: v for k, v in {**GOOD_AOTI, **damage}.items() if v is not None}
-    with pytest.raises(bundle_parts.PrecompiledError):
-        bundle_parts.parse_parts(_meta(entry), b"abcd")
+    for fmt in (2, 3):
+        with pytest.raises(bundle_parts.PrecompiledError):
+            bundle_parts.parse_parts(_meta(entry, fmt=fmt), b"abcd")
+
+
+def test_a_runner_loader_entry_in_record_format_2_is_refused() -> None:
+    """A format-2 reader knows no loader field and would use the package loader: the runner
+    loader is only read from record format 3, which such a reader refuses whole."""
+    with pytest.raises(bundle_parts.PrecompiledError, match="loader"):
+        bundle_parts.parse_parts(_meta({**GOOD_AOTI, "loader": "runner"}, fmt=2), b"abcd")
 
 
 def test_a_package_entry_in_record_format_1_is_refused() -> None:
@@ -464,7 +481,7 @@ def test_golden_format_3_with_an_aoti_entry_reads_back() -> None:
     assert dynamo == {"g": {"s": (b"artifact", MODES, ())}}
     assert aoti == {"g": {"s": (b"package", MODES, [["a.weight",
                                                       [[2, 3], [3, 1], "float32", "cpu"]]], 1,
-                                SPANS)}}
+                                "package", SPANS)}}
 
 
 # --- CUDA: runners inside region graphs ----------------------------------------------------------
@@ -513,7 +530,7 @@ CUDA_SRC = textwrap.dedent('''
 CRASH_CHILD = textwrap.dedent('''
     import ctypes, os, sys
     from surgery.runtime import aoti_child as c
-    mode, folder = sys.argv[1:]
+    mode, folder, *_ = sys.argv[1:]
     at = c.STAGES.index(os.environ["CRASH_AT"])
     mine = range(0, 2) if mode == "build" else range(2, len(c.STAGES))
     for i in mine:
@@ -569,11 +586,46 @@ def test_a_crash_in_the_build_process_costs_a_note_not_the_process(tmp_path, mon
     assert data == b"" and entries == [], entries
     assert len(notes) == 2, notes
     assert "SIGSEGV" in notes[0] and f"stage {stage!r}" in notes[0], notes
-    who = "the build process" if stage == "package" else "the fresh process loading it"
-    assert who in notes[0], notes
+    if stage == "package":
+        assert "the build process" in notes[0], notes
+    else:  # both loaders tried, each in a fresh process
+        assert "the fresh process loading it (package loader)" in notes[0], notes
+        assert "the fresh process loading it (runner loader)" in notes[0], notes
     assert f"torch {torch.__version__}" in notes[0], notes
     assert notes[1].startswith("Second.forward: no AOTInductor package (not tried: the build of "
                                "First.forward crashed"), notes
+
+
+def test_a_package_loader_crash_falls_back_to_the_runner_loader(tmp_path, monkeypatch) -> None:
+    """The fresh prove child crashes with the package loader (as torch 2.11's CUDA constructor
+    did) and runs with the runner loader: the entry is kept, says "runner", and is written in
+    record format 3, which a reader of formats 1-2 (that would use the package loader) refuses."""
+    from surgery.runtime import aoti_build, aoti_child, precompiled
+    from surgery.runtime.call_example import Example
+
+    (tmp_path / "pick_child.py").write_text(textwrap.dedent('''
+        import ctypes, os, sys
+        from surgery.runtime import aoti_child as c
+        mode, folder, *loader = sys.argv[1:]
+        if mode == "build":
+            open(os.path.join(folder, c.JOB_PACKAGE), "wb").write(b"PK built")
+            raise SystemExit(0)
+        c._stage(folder, "load")
+        if loader == ["package"]:
+            ctypes.string_at(0)
+        open(os.path.join(folder, c.JOB_RESULT), "w").write('{"constants": []}')
+    '''))
+    monkeypatch.setattr(aoti_child, "CHILD_MODULE", "pick_child")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(HERE)]))
+    with torch.no_grad():
+        example = Example.of((torch.randn(2, 4),), {})
+    data, entries, notes = aoti_build.build_entries(
+        [_Group("First.forward", example)], device="cpu", signature_text=str, offset=0,
+        sources={("First.forward", "First.forward"): []})
+    assert notes == [] and data == b"PK built", notes
+    assert [e[bundle_parts.AOTI_LOADER_FIELD] for e in entries] == ["runner"]
+    section = precompiled.Section(data, entries, notes)
+    assert section.record()["format"] == bundle_parts.PRECOMPILED_FORMAT_AOTI_RUNNER
 
 
 def test_a_python_error_in_the_child_is_a_note_for_that_package_only(tmp_path, monkeypatch
@@ -603,10 +655,11 @@ def test_a_python_error_in_the_child_is_a_note_for_that_package_only(tmp_path, m
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
-    """On CUDA (inductor, region graphs), the build opted in: a bundle with an AOTInductor
-    package, then a fresh process with empty caches: the runner is called inside each path's
-    capture, the graphs replay, nothing is traced, no inductor loader or Triton module is
-    imported, outputs match."""
+    """On CUDA (inductor, region graphs): a bundle with an AOTInductor package (built and
+    proven in child processes, by whichever loader ran it), then a fresh process with empty
+    caches: the runner is called inside each path's capture, the graphs replay, nothing is
+    traced, no inductor loader or Triton module is imported, outputs match. On torch 2.11, a
+    package whose children all crashed is an expected failure naming where."""
     (tmp_path / "premod.py").write_text(MODEL_SRC)
     (tmp_path / "run.py").write_text(CUDA_SRC)
     save = subprocess.run([sys.executable, "run.py", "save"], cwd=tmp_path,
@@ -614,6 +667,10 @@ def test_cuda_warm_start_from_runners_captures_and_replays(tmp_path) -> None:
                           capture_output=True, text=True, timeout=400)
     assert save.returncode == 0, save.stderr[-3000:]
     made = json.loads(save.stdout.strip().splitlines()[-1])
+    crashed = [n for n in made["notes"] if "ended with SIG" in n]
+    if "aoti" not in made["kinds"] and crashed and torch.__version__.startswith("2.11"):
+        # torch 2.11's loader crashed on the H200 (2026-12-01); the note says where, now
+        pytest.xfail(f"the package crashed its child process on torch 2.11: {crashed[0]}")
     assert "aoti" in made["kinds"], made
     env = _env(tmp_path, "inductor-deploy")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "inductor-deploy" / "triton")
@@ -639,9 +696,9 @@ def test_a_call_under_autocast_is_exported_with_its_autocast(monkeypatch) -> Non
 
     seen: list[tuple[Any, Any, Any]] = []
 
-    def fake_child(program: Any, tensors: Any, spec: Any) -> tuple[bytes, list[Any]]:
+    def fake_child(program: Any, tensors: Any, spec: Any) -> tuple[bytes, list[Any], str]:
         seen.append((program, tensors, spec))
-        return b"pkg", []
+        return b"pkg", [], "package"
 
     monkeypatch.setattr(aoti_build, "build_in_child", fake_child)
     x = torch.randn(2, 4)

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from surgery.runtime.aoti_child import ChildFailed, build_in_child
-from surgery.runtime.bundle_parts import AOTI_KIND, KIND_FIELD, SOURCES_FIELD
+from surgery.runtime.bundle_parts import AOTI_KIND, AOTI_LOADER_FIELD, KIND_FIELD, SOURCES_FIELD
 from surgery.runtime.call_example import Example, modes_of
 
 # Inductor options that concern a JIT compile only (CUDA graphs, the compile pool): not passed
@@ -140,11 +140,11 @@ def build_one(group: Any, module: nn.Module, example: Example, *, device: str
                  for t, w in trials.items()}
     n_inputs = sum(isinstance(x, torch.Tensor)
                    for x in torch.utils._pytree.tree_leaves((args, kwargs)))
-    data, constants = build_in_child(
+    data, constants, loader = build_in_child(
         ep, {"args": args, "kwargs": kwargs, **trials, **wants},
         {"configs": configs, "device": str(device), "bound": bool(group.bound),
          "modes": example.mode_record(), "inputs": n_inputs})
-    return data, {"constants": constants, "inputs": n_inputs}
+    return data, {"constants": constants, "inputs": n_inputs, AOTI_LOADER_FIELD: loader}
 
 
 def build_entries(groups: Iterable[Any], *, device: str, signature_text: Callable[[Any], str],

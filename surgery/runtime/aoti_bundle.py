@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -75,6 +76,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from surgery.runtime.bundle_parts import AOTI_LOADERS
 from surgery.runtime.cache import load_megacache
 from surgery.runtime.load_timing import LoadTiming, timed
 from surgery.runtime.report import CacheIgnoredWarning
@@ -86,6 +88,7 @@ MODEL_NAME = "model"  # the name torch packages a single AOTInductor model under
 PREFIX = "inner."
 MAX_MEMBERS = 4096  # files one package may hold (a block's has about ten)
 MAX_UNPACKED = 2 * 2**30  # bytes one package may unpack to (its .so and kernel binaries)
+LOADERS = AOTI_LOADERS  # "package": torch's package loader; "runner": _SoRunner
 
 
 def api_missing() -> str | None:
@@ -130,13 +133,18 @@ def archive_problem(data: bytes) -> str | None:
     return None
 
 
-def open_package(data: bytes, *, device: str) -> Any:
-    """A loader for verified package bytes (see the module doc): raises ValueError for an
-    archive that fails the checks, and whatever torch raises for one it cannot load."""
+def open_package(data: bytes, *, device: str, loader: str = LOADERS[0]) -> Any:
+    """A loader for verified package bytes (see the module doc), by ``loader`` (one of
+    LOADERS): raises ValueError for an archive that fails the checks, and whatever torch raises
+    for one it cannot load."""
     if why := archive_problem(data):
         raise ValueError(f"AOTInductor package refused: {why}")
+    if loader not in LOADERS:
+        raise ValueError(f"AOTInductor loader {loader!r} is not one of {', '.join(LOADERS)}")
     index = torch.device(device).index if device.startswith("cuda") else -1
     folder = tempfile.mkdtemp(prefix="surgery-aoti-")
+    if loader == "runner":
+        return _SoRunner.unpack(data, folder, device)
     path = os.path.join(folder, "package.pt2")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
@@ -151,6 +159,53 @@ def open_package(data: bytes, *, device: str) -> Any:
             os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(folder)
+
+
+class _SoRunner:
+    """The "runner" loader: the package's library run by torch's model-container runner
+    directly (``AOTIModelContainerRunnerCuda`` / ``Cpu``), past the package loader, whose
+    constructor is where torch 2.11 crashed on CUDA. The archive (checked by archive_problem)
+    is unpacked here into a fresh ``mkdtemp`` folder, which stays until the runner is freed
+    (kernel binaries are read at their first launch). It answers the package loader's calls
+    surgery makes: weights by fqn (mapped to the library's constant names), run, call spec."""
+
+    def __init__(self, runner: Any, folder: str) -> None:
+        self._runner = runner
+        names = dict(runner.get_constant_names_to_original_fqns())  # constant name -> fqn
+        self._by_fqn = {fqn: name for name, fqn in names.items()}
+        weakref.finalize(self, shutil.rmtree, folder, True)
+
+    @classmethod
+    def unpack(cls, data: bytes, folder: str, device: str) -> _SoRunner:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                z.extractall(folder)  # names checked: relative, no "..", no links, one top
+            (lib,) = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files
+                      if f.endswith(".so")]
+            aoti: Any = torch._C._aoti  # the 5-argument CUDA constructor is not in its stubs
+            # run_single_threaded, as for the package loader
+            runner = aoti.AOTIModelContainerRunnerCuda(lib, 1, device, os.path.dirname(lib),
+                                                       True) \
+                if device.startswith("cuda") else aoti.AOTIModelContainerRunnerCpu(lib, 1)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return cls(runner, folder)
+
+    def get_constant_fqns(self) -> list[str]:
+        return list(self._by_fqn)
+
+    def get_call_spec(self) -> list[str]:
+        return list(self._runner.get_call_spec())
+
+    def load_constants(self, constants: Mapping[str, torch.Tensor], use_inactive: bool,
+                       check_full_update: bool, user_managed: bool) -> None:
+        self._runner.update_constant_buffer(
+            {self._by_fqn[f]: t for f, t in constants.items()}, use_inactive,
+            check_full_update, user_managed)
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._runner.run(inputs)
 
 
 def layout_of(t: torch.Tensor) -> list[Any]:
@@ -290,17 +345,17 @@ class DeferredMegaCache:
                           f"go on without it: {failed}", CacheIgnoredWarning, stacklevel=2)
 
 
-def load_runners(entries: Mapping[str, tuple[bytes, Any, list[list[Any]], int, Any]], *,
+def load_runners(entries: Mapping[str, tuple[bytes, Any, list[list[Any]], int, str, Any]], *,
                  device: str, bound: bool, timings: list[LoadTiming], name: str
                  ) -> tuple[dict[str, AotiRunner], str]:
     """A group's runners (signature text -> AotiRunner), each load timed into ``timings``;
     ({}, why) when one cannot be loaded (the group then takes its artifacts, or dynamo)."""
     out: dict[str, AotiRunner] = {}
-    for i, (sig, (data, _, constants, inputs, _)) in enumerate(entries.items()):
+    for i, (sig, (data, _, constants, inputs, loader, _)) in enumerate(entries.items()):
         try:
             with timed(timings, name, i):
-                out[sig] = AotiRunner(open_package(data, device=device), constants,
-                                      bound=bound, inputs=inputs)
+                out[sig] = AotiRunner(open_package(data, device=device, loader=loader),
+                                      constants, bound=bound, inputs=inputs)
         except Exception as e:  # torch's loader, or an archive refused
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return {}, f"{name}: AOTInductor package: {type(e).__name__}: {first}"

@@ -29,10 +29,15 @@ The prove child, a fresh process that has compiled nothing, as a deploying proce
    on the module's weights and on the random ones (handed over by pointer, as at deploy time),
    each compared with the parent's eager output on the same weights;
 
-then writes its weights' names and layouts (JOB_RESULT). A Python error ends a child with exit
-code 1 and the error in JOB_RESULT. The parent reads the package only after both exit with 0;
-a signal (SIGSEGV), a timeout (BUILD_TIMEOUT_S) or any other code is a note naming the process,
-the signal, the stage and the torch version. Nothing a child writes is trusted beyond that: the
+then writes its weights' names and layouts (JOB_RESULT). It loads with the package loader
+(``AOTIModelPackageLoader``, what torch's ``aoti_load_package`` uses) first; if that child
+crashes, a second fresh child tries the "runner" loader (surgery.runtime.aoti_bundle: the
+library unpacked and run by torch's model-container runner, past the package loader's
+constructor), and the entry records the loader that worked (the bundle's ``loader`` field).
+A Python error ends a child with exit code 1 and the error in JOB_RESULT. The parent reads the
+package only after the build child and one prove child exit with 0; a signal (SIGSEGV), a
+timeout (BUILD_TIMEOUT_S) or any other code is a note naming the process, the loader, the
+signal, the stage and the torch version. Nothing a child writes is trusted beyond that: the
 bytes are checked again when a deployment opens them (surgery.runtime.aoti_bundle).
 
 Children start with ``faulthandler`` on, so a crash's Python stack is in their stderr (its last
@@ -58,7 +63,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from surgery.runtime.aoti_bundle import PREFIX, AotiRunner, layout_of, open_package
+from surgery.runtime.aoti_bundle import LOADERS, PREFIX, AotiRunner, layout_of, open_package
 from surgery.runtime.call_example import modes_of
 
 JOB_PROGRAM = "program.pt2"
@@ -131,11 +136,13 @@ def _signal_name(rc: int) -> str:
         return f"signal {-rc}"
 
 
-def _run_child(mode: str, folder: str, timeout: float) -> None:
+def _run_child(mode: str, folder: str, timeout: float, *extra: str) -> None:
     """Run one child (``mode``: "build" or "prove") on the job in ``folder``; raises
     ChildFailed for anything but exit code 0."""
+    with contextlib.suppress(OSError):  # what an earlier child said is not this one's word
+        os.unlink(os.path.join(folder, JOB_RESULT))
     try:
-        run = subprocess.run([sys.executable, "-m", CHILD_MODULE, mode, folder],
+        run = subprocess.run([sys.executable, "-m", CHILD_MODULE, mode, folder, *extra],
                              env=_child_env(), capture_output=True, text=True, timeout=timeout)
         rc, err = run.returncode, run.stderr
     except subprocess.TimeoutExpired as e:
@@ -146,7 +153,8 @@ def _run_child(mode: str, folder: str, timeout: float) -> None:
     stages = _read(os.path.join(folder, JOB_STAGES)).split()
     stage = stages[-1] if stages else "start"
     where = f"at stage {stage!r} (torch {torch.__version__})"
-    who = "the build process" if mode == "build" else "the fresh process loading it"
+    who = "the build process" if mode == "build" else \
+        f"the fresh process loading it ({extra[0] if extra else LOADERS[0]} loader)"
     if rc is None:
         raise ChildFailed(f"{who} ran past {timeout:.0f} s {where}", crashed=True)
     if rc < 0:
@@ -160,9 +168,10 @@ def _run_child(mode: str, folder: str, timeout: float) -> None:
 
 
 def build_in_child(program: Any, tensors: Mapping[str, Any], spec: Mapping[str, Any], *,
-                   timeout: float = BUILD_TIMEOUT_S) -> tuple[bytes, list[list[Any]]]:
-    """(package bytes, [[fqn, layout], ...] of its weights), built by one child process and
-    loaded and run by another (see the module doc); raises ChildFailed naming the stage."""
+                   timeout: float = BUILD_TIMEOUT_S) -> tuple[bytes, list[list[Any]], str]:
+    """(package bytes, [[fqn, layout], ...] of its weights, the loader that loaded it), built
+    by one child process and loaded and run by another (see the module doc); raises
+    ChildFailed naming the stage."""
     folder = tempfile.mkdtemp(prefix="surgery-aoti-job-")
     try:
         torch.export.save(program, os.path.join(folder, JOB_PROGRAM))
@@ -170,11 +179,19 @@ def build_in_child(program: Any, tensors: Mapping[str, Any], spec: Mapping[str, 
         with open(os.path.join(folder, JOB_SPEC), "w") as f:
             json.dump(dict(spec), f)
         _run_child("build", folder, timeout)
-        _run_child("prove", folder, timeout)
+        loader, crashes = "", []  # type: str, list[str]
+        for loader in LOADERS:  # the package loader; if it crashed, the runner, in a new child
+            try:
+                _run_child("prove", folder, timeout, loader)
+                break
+            except ChildFailed as e:
+                if not e.crashed or loader == LOADERS[-1]:
+                    raise ChildFailed("; ".join([*crashes, str(e)]), crashed=e.crashed) from None
+                crashes.append(str(e))
         result = json.loads(_read(os.path.join(folder, JOB_RESULT)))
         with open(os.path.join(folder, JOB_PACKAGE), "rb") as pkg:
             data = pkg.read()
-        return data, result["constants"]
+        return data, result["constants"], loader
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -210,22 +227,22 @@ def build_main(folder: str) -> int:
     return 0
 
 
-def prove_main(folder: str) -> int:
+def prove_main(folder: str, loader: str = LOADERS[0]) -> int:
     """The proving child, a fresh process as a deployment is: the package loaded from its
-    bytes and run on both trials' weights (see the module doc)."""
+    bytes by ``loader`` and run on both trials' weights (see the module doc)."""
     with open(os.path.join(folder, JOB_SPEC)) as spec_file:
         spec = json.load(spec_file)
     tensors = torch.load(os.path.join(folder, JOB_TENSORS), weights_only=True)
     with open(os.path.join(folder, JOB_PACKAGE), "rb") as pkg:
         data = pkg.read()
     _stage(folder, "load")
-    loader = open_package(data, device=spec["device"])
-    fqns = loader.get_constant_fqns()
+    opened = open_package(data, device=spec["device"], loader=loader)
+    fqns = opened.get_constant_fqns()
     own = tensors["own"]
     if not all(f.startswith(PREFIX) and f in own for f in fqns):
         raise ValueError("it needs a constant that is not a weight of the module")
     constants = [[f[len(PREFIX):], layout_of(own[f])] for f in sorted(fqns)]
-    runner = AotiRunner(loader, constants, bound=spec["bound"], inputs=spec["inputs"])
+    runner = AotiRunner(opened, constants, bound=spec["bound"], inputs=spec["inputs"])
     _stage(folder, "run")
     args, kwargs = tensors["args"], tensors["kwargs"]
     with modes_of(spec["modes"]):
@@ -251,9 +268,9 @@ MAINS = {"build": build_main, "prove": prove_main}
 
 def _main(argv: list[str]) -> int:
     faulthandler.enable()
-    mode, folder = argv
+    mode, folder, *extra = argv
     try:
-        return MAINS[mode](folder)
+        return MAINS[mode](folder, *extra)
     except Exception as e:  # export, inductor, the loader or the proof: said to the parent
         first = (str(e).strip().splitlines() or [""])[0][:200]
         with contextlib.suppress(OSError), open(os.path.join(folder, JOB_RESULT), "w") as f:

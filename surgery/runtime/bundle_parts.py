@@ -17,8 +17,13 @@ whose KIND_FIELD is AOTI_KIND: an AOTInductor package (a zip with a shared libra
 surgery.runtime.aoti_bundle) instead of a pickled artifact, with AOTI_FIELDS: ``constants``, the
 weights it takes as [fqn, [shape, strides, dtype, device type]] (checked against the module's
 before any is handed over), and ``inputs``, how many tensors it takes; SOURCES_FIELD is required
-in such an entry (the code the package embodies, checked before it is loaded). An entry without the
-field is a torch AOT artifact, as in format 1. A reader of format 1 only refuses format 2 whole.
+in such an entry (the code the package embodies, checked before it is loaded); AOTI_LOADER_FIELD,
+optional, names how it is loaded (one of AOTI_LOADERS; absent: "package", as entries written
+before the field). Record format 3 (PRECOMPILED_FORMAT_AOTI_RUNNER) is written when an entry's
+loader is "runner", so that a reader of formats 1-2, which knows no loader field and would load
+it with the package loader (the one that crashed), refuses the record whole. An entry without
+KIND_FIELD is a torch AOT artifact, as in format 1. A reader
+of format 1 only refuses format 2 whole.
 
 Both parts are under the one HMAC and ``format`` is in the signed metadata, so a format-3 file
 cannot be passed off as format 2 or cut into one. The record is the key holder's, yet every
@@ -36,10 +41,16 @@ FORMAT_PRECOMPILED = 3  # the bundle format whose blob is a Mega-Cache part, the
 PRECOMPILED_KEY = "precompiled"
 PRECOMPILED_FORMAT = 1
 PRECOMPILED_FORMAT_AOTI = 2  # entries may be AOTInductor packages
-READ_PRECOMPILED_FORMATS = (PRECOMPILED_FORMAT, PRECOMPILED_FORMAT_AOTI)
+PRECOMPILED_FORMAT_AOTI_RUNNER = 3  # ... and one is loaded by the "runner" loader
+READ_PRECOMPILED_FORMATS = (PRECOMPILED_FORMAT, PRECOMPILED_FORMAT_AOTI,
+                            PRECOMPILED_FORMAT_AOTI_RUNNER)
 KIND_FIELD = "kind"  # optional in an entry; absent: a torch AOT artifact
 AOTI_KIND = "aoti"
 AOTI_FIELDS = ("constants", "inputs")
+# Optional in an AOTInductor entry: how the proving child loaded the package, one of AOTI_LOADERS
+# (surgery.runtime.aoti_bundle); absent (every entry written before it): the package loader.
+AOTI_LOADER_FIELD = "loader"
+AOTI_LOADERS = ("package", "runner")
 MAX_CONSTANTS = 4096  # weights one package may take
 MAX_RANK = 16
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
@@ -75,8 +86,9 @@ def split_blob(meta: Mapping[str, Any], blob: bytes) -> tuple[bytes, bytes]:
 
 
 Parsed = dict[str, dict[str, tuple[bytes, dict[str, Any], tuple[tuple[Any, ...], ...]]]]
-# {group identity: {signature text: (package bytes, modes, constants, inputs, source spans)}}
-AotiParsed = dict[str, dict[str, tuple[bytes, dict[str, Any], list[list[Any]], int,
+# {group identity: {signature text: (package bytes, modes, constants, inputs, loader, source
+# spans)}}
+AotiParsed = dict[str, dict[str, tuple[bytes, dict[str, Any], list[list[Any]], int, str,
                                        tuple[tuple[Any, ...], ...]]]]
 
 
@@ -127,15 +139,21 @@ def parse_parts(meta: Mapping[str, Any], section: bytes) -> tuple[Parsed, AotiPa
                                    "part, or entries overlap")
         end = off + n
         kind = e.get(KIND_FIELD)
-        if kind is not None and (fmt != PRECOMPILED_FORMAT_AOTI or kind != AOTI_KIND):
+        if kind is not None and (fmt == PRECOMPILED_FORMAT or kind != AOTI_KIND):
             raise PrecompiledError(f"a precompiled entry's kind is {str(kind)[:20]!r} (only "
-                                   f"{AOTI_KIND!r}, in record format {PRECOMPILED_FORMAT_AOTI})")
+                                   f"{AOTI_KIND!r}, in record format {PRECOMPILED_FORMAT_AOTI}+)")
         if kind == AOTI_KIND:
             if sig in aoti.setdefault(group, {}):
                 raise PrecompiledError("two AOTInductor packages for one group and signature")
             if SOURCES_FIELD not in e:
                 raise PrecompiledError(f"an AOTInductor entry lacks {SOURCES_FIELD}")
-            aoti[group][sig] = (section[off:off + n], modes, *_aoti_fields(e),
+            loader = e.get(AOTI_LOADER_FIELD, AOTI_LOADERS[0])
+            if loader not in AOTI_LOADERS or (loader != AOTI_LOADERS[0] and
+                                              fmt != PRECOMPILED_FORMAT_AOTI_RUNNER):
+                raise PrecompiledError(f"an AOTInductor entry's loader is not one of "
+                                       f"{', '.join(AOTI_LOADERS)} (a non-default one only in "
+                                       f"record format {PRECOMPILED_FORMAT_AOTI_RUNNER})")
+            aoti[group][sig] = (section[off:off + n], modes, *_aoti_fields(e), loader,
                                 _sources(e[SOURCES_FIELD]))
             continue
         if sig in out.setdefault(group, {}):
@@ -147,7 +165,10 @@ def parse_parts(meta: Mapping[str, Any], section: bytes) -> tuple[Parsed, AotiPa
 
 
 def record_format(entries: list[dict[str, Any]]) -> int:
-    """The record format a list of entries is written in (2 only with an AOTInductor one)."""
+    """The record format a list of entries is written in (2 only with an AOTInductor one, 3
+    only with one whose loader is not the package loader)."""
+    if any(e.get(AOTI_LOADER_FIELD, AOTI_LOADERS[0]) != AOTI_LOADERS[0] for e in entries):
+        return PRECOMPILED_FORMAT_AOTI_RUNNER
     aoti = any(e.get(KIND_FIELD) == AOTI_KIND for e in entries)
     return PRECOMPILED_FORMAT_AOTI if aoti else PRECOMPILED_FORMAT
 
