@@ -484,6 +484,18 @@ def test_golden_format_3_with_an_aoti_entry_reads_back() -> None:
                                 "package", SPANS)}}
 
 
+def test_golden_record_format_3_with_a_runner_loader_reads_back() -> None:
+    """tests/golden/format3-aoti-runner.surgery.cache: the format3-aoti golden with record
+    format 3 and its AOTInductor entry's loader "runner" (written by the prove child's fallback),
+    signed with bundle_support.KEY."""
+    meta, blob = bundle.read_bundle(str(GOLDEN / "format3-aoti-runner.surgery.cache"), key=KEY)
+    assert blob is not None
+    _, section = bundle_parts.split_blob(meta, blob)
+    dynamo, aoti = bundle_parts.parse_parts(meta, section)
+    assert dynamo == {"g": {"s": (b"artifact", MODES, ())}}
+    assert aoti["g"]["s"][0] == b"package" and aoti["g"]["s"][4] == "runner"
+
+
 # --- CUDA: runners inside region graphs ----------------------------------------------------------
 
 CUDA_SRC = textwrap.dedent('''
