@@ -1,4 +1,4 @@
-"""Host time of GPT-2's names-only plan at batch-1 decode, on the CPU, with a free graph.
+"""Host time of GPT-2's names-only plan at batch-1 decode: on the CPU with a free graph, or the GPU.
 
 Why: on the H200, GPT-2's names-only plan (12 ``GPT2MLP`` regions, one CUDA graph each) ran
 0.81x eager through ``generate()`` in two calls of the evening (benchmarks/RESULTS.md, the fourth
@@ -16,6 +16,12 @@ are: us per MLP call, eager against the region's host path, and a cProfile of on
 of the plan: surgery's self time per region call and the functions that take it.
 
     python benchmarks/cpu_names_decode_host.py [--layers 12] [--tokens 32] [--rounds 5]
+    python benchmarks/cpu_names_decode_host.py --cuda    # the H200: real graphs, GPT-2 small
+
+``--cuda`` runs GPT-2 small (768 wide, bf16) on the GPU with surgery's real capturer and the
+plan's own backend (inductor): an MLP call's wall time is then its host time (the GPU runs
+behind it), eager's launches against the region's bookkeeping, input copy and graph launch,
+which is the comparison that decides batch-1 decode there.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cuda", action="store_true", help="GPT-2 small on the GPU, real graphs")
     args = ap.parse_args()
     import torch
     import transformers
@@ -94,10 +101,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=64, n_head=2, vocab_size=100,
+    width, heads, dev = (768, 12, "cuda") if args.cuda else (64, 2, "cpu")
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=width, n_head=heads, vocab_size=100,
                                   n_positions=256, bos_token_id=None, eos_token_id=None)
     base = transformers.GPT2LMHeadModel(cfg).eval()
-    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    if args.cuda:
+        base = base.to(device=dev, dtype=torch.bfloat16)
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0)).to(dev)
 
     def generate(m: Any, n: int = args.tokens) -> Any:
         with torch.inference_mode():
@@ -105,13 +115,20 @@ def main() -> None:
 
     model = copy.deepcopy(base)
     manifest = plan_module(model, source="cpu_names_decode_host").manifest
-    apply_mod._on_cuda = lambda module, model: True  # type: ignore[assignment]
-    capturer = NullCapturer()
-    apply_mod._capturer_for = lambda module: capturer  # type: ignore[assignment]
+    if not args.cuda:  # a stand-in graph whose replay is free, and no compile
+        apply_mod._on_cuda = lambda module, model: True  # type: ignore[assignment]
+        capturer = NullCapturer()
+        apply_mod._capturer_for = lambda module: capturer  # type: ignore[assignment]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 4), passes=2,
-                                overrides={"backend": "eager"})
+                                overrides=None if args.cuda else {"backend": "eager"})
+    sync = torch.cuda.synchronize if args.cuda else (lambda: None)
+    if args.cuda:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()  # no worker pool beside the timed turns
+        generate(model)  # every signature captured
     compiled = [r.path for r in handle.report if r.status == "compiled"]
     spent = {"eager": [0.0, 0], "names": [0.0, 0]}
     undo = [time_mlps(base, spent["eager"]), time_mlps(model, spent["names"])]
@@ -119,8 +136,10 @@ def main() -> None:
     replays0 = sum(r.cuda_graph_replays for r in handle.report)
     for r in range(args.rounds):
         for name in (("eager", "names") if r % 2 == 0 else ("names", "eager")):
+            sync()
             t = time.perf_counter()
             generate(base if name == "eager" else model)
+            sync()
             ms[name].append((time.perf_counter() - t) * 1e3 / args.tokens)
     replays = sum(r.cuda_graph_replays for r in handle.report) - replays0
     for u in undo:
@@ -131,7 +150,8 @@ def main() -> None:
     prof.disable()
     mlp_calls = spent["names"][1]
     per_call = {k: round(v[0] / max(v[1], 1) * 1e6, 2) for k, v in spent.items()}
-    res = {"torch": torch.__version__, "layers": args.layers, "tokens": args.tokens,
+    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.cuda
+           else "cpu", "width": width, "layers": args.layers, "tokens": args.tokens,
            "regions": len(compiled),
            "eager_ms_per_token": round(statistics.median(ms["eager"]), 3),
            "names_ms_per_token": round(statistics.median(ms["names"]), 3),
