@@ -29,8 +29,11 @@ from surgery.runtime.compile_start import (
 )
 from surgery.runtime.piecewise import PiecewiseGroup, install_piecewise
 from surgery.runtime.report import RegionRecord
-from tests.test_graphs import FakeCapturer
-from tests.test_piecewise_stack import generate, same_as_eager, tiny_gpt2
+from tests.test_graphs import (
+    FakeCapturer,
+    fake_cuda,  # noqa: F401 (a fixture: the stand-in capturer)
+)
+from tests.test_piecewise_stack import generate, same_as_eager, stack_plan, tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -190,6 +193,33 @@ def test_a_launch_bound_stack_builds_no_plan_backend_piece(
     assert rec.pieces_compiled == 3 and rec.pieces_light == 3 and rec.pieces_shared >= 1
     assert rec.compiles == 1 and rec.recompiles == 0 and rec.status == "compiled"
     assert any("launch-bound" in n and f"{rec.pieces} of {rec.pieces}" in n for n in rec.notes)
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_the_planned_stack_applied_as_on_cuda_builds_no_inductor_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda test's flow on the CPU (`plan_model(..., piecewise=True)`, `apply_manifest` with
+    its defaults, CUDA's condition and capture stood in): the plan says inductor, every piece
+    compiles light, none builds inductor code, the pieces replay from the second token, and the
+    tokens are eager's, bit for bit."""
+    built: list[int] = []
+    real = PiecewiseGroup._compile_piece
+    monkeypatch.setattr(PiecewiseGroup, "_compile_piece",
+                        lambda self, gm, ex: built.append(1) or real(self, gm, ex))
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    handle = apply_manifest(model, stack_plan())
+    stack = handle.report.by_path("transformer")
+    assert stack.backend == "inductor"
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        same_as_eager(generate(model, ids, 16), generate(ref, ids, 16))
+    assert stack.status == "compiled" and stack.compiles == 1, stack.reason
+    assert stack.pieces_compiled == 3 and stack.pieces_light == 3, stack.notes
+    assert built == []  # nothing went to the plan's backend (inductor)
+    # 15 decode steps: the first compiles, the second captures, 13 replay 3 pieces each
+    assert stack.cuda_graph_replays >= 3 * 13 and stack.graphs_captured >= 3
+    handle.restore()
 
 
 def test_a_piece_over_the_size_keeps_the_plans_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import surgery.runtime.compile_start as compile_start
 from surgery.errors import ManifestError, RegionError
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
 from surgery.planning.plan import plan_model, plan_module
@@ -267,9 +268,17 @@ def test_the_schema_refuses_a_bad_fallback_for(value: Any) -> None:
 
 
 @pytest.mark.cuda
-def test_stack_on_cuda_replays_its_pieces_and_tokens_match() -> None:
+@pytest.mark.parametrize("elements", [
+    pytest.param(None, id="size rule: every piece light (aot_eager)"),
+    pytest.param(0, id="size rule off: the pieces build inductor code")])
+def test_stack_on_cuda_replays_its_pieces_and_tokens_match(
+        elements: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA with inductor: the stack's pieces are captured and replayed as region graphs,
-    the tokens are eager's over 64, the cache (k and v held across steps) matches eager's."""
+    the tokens are eager's over 64, the cache (k and v held across steps) matches eager's. At
+    test size every piece is launch-bound, so by default all compile light
+    (surgery.runtime.compile_start); with the size rule off they build inductor code."""
+    if elements is not None:
+        monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", elements)
     model = tiny_gpt2().cuda()
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
@@ -289,6 +298,8 @@ def test_stack_on_cuda_replays_its_pieces_and_tokens_match() -> None:
                                                                 stack.notes)
     assert all(handle.report.by_path(p).calls == 0 for p in ("transformer.h.0",
                                                              "transformer.h.1"))
+    light = stack.pieces_light == stack.pieces_compiled
+    assert light if elements is None else not light, (stack.pieces_light, stack.pieces_compiled)
 
 
 def test_stack_pieces_of_one_code_keep_a_set_of_graphs_per_block() -> None:
