@@ -6,16 +6,19 @@ and ``torch._C._aoti.AOTIModelPackageLoader`` alike), in the process that had bu
 probe asks the next questions, each variant in a fresh process with faulthandler on, stage by
 stage (one line each, flushed, so the last line says where it died):
 
-  build        process A: export + aoti_compile_and_package, on CUDA and on the CPU
-  fresh_cuda   process B (fresh, nothing compiled in it): surgery's open_package + run
-  fresh_public process C (fresh): torch._inductor.aoti_load_package + run
-  fresh_cpu    process D (fresh): the CPU package, surgery's open_package + run (is it CUDA's?)
-  so_runner    process E (fresh): the package unzipped, its .so given to
-               torch._C._aoti.AOTIModelContainerRunnerCuda directly (is it the package loader?)
-  gdb          process B again under ``gdb -batch`` (or ``cuda-gdb``, which the H200 image has
-               instead of gdb) when B crashed: the native stack
+  build         process A: export + aoti_compile_and_package (one package, CUDA)
+  fresh_cuda    process B (fresh, nothing compiled in it): surgery's open_package with the
+                package loader (torch's AOTIModelPackageLoader, as aoti_load_package) + run
+  fresh_runner  process C (fresh): surgery's open_package with the runner loader (the library
+                run by torch._C._aoti.AOTIModelContainerRunnerCuda directly) + run
+  gdb           the first of B, C that crashed, again under ``gdb -batch`` (or ``cuda-gdb``,
+                which the H200 image has instead of gdb): its native stack
+  --cpu-too     the same for a CPU package on that host (is it CUDA's?)
 
-    python benchmarks/aoti_cuda_probe.py            # about 60-120 s on the H200
+A time budget (``--budget``, 115 s) bounds the whole probe: each process gets what is left, and
+the gdb rerun is skipped when too little is.
+
+    python benchmarks/aoti_cuda_probe.py            # at most --budget s (115) on the H200
     python benchmarks/aoti_cuda_probe.py --cpu      # the CPU variants only (a check here)
 
 Prints each variant's stages and return code, then one JSON line.
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +51,8 @@ class M(nn.Module):
     def __init__(s): super().__init__(); s.a = nn.Linear(64, 128); s.b = nn.Linear(128, 64)
     def forward(s, x): return s.b(torch.nn.functional.gelu(s.a(x)))
 dev = "cpu" if variant.endswith("cpu") else "cuda"
+if variant == "fresh_runner_cpu":
+    variant = "fresh_runner"
 m = M().to(dev).eval(); x = torch.randn(4, 64, device=dev)
 with torch.no_grad():
     want = m(x)
@@ -63,76 +69,75 @@ def check(y):
     if dev == "cuda":
         torch.cuda.synchronize()
     say("ran, max abs diff", float((y - want).abs().max()))
-if variant in ("fresh_cuda", "fresh_cpu"):
+if variant.startswith("fresh"):
     from surgery.runtime.aoti_bundle import open_package
     data = open(path, "rb").read()
-    say("open_package")
-    L = open_package(data, device=str(x.device) if dev == "cuda" else "cpu")
+    loader = "runner" if variant == "fresh_runner" else "package"
+    say("open_package", loader)
+    L = open_package(data, device=str(x.device) if dev == "cuda" else "cpu", loader=loader)
     say("loaded", L.get_constant_fqns())
     check(L.run([x])[0])
-elif variant == "fresh_public":
-    say("aoti_load_package")
-    r = torch._inductor.aoti_load_package(path)
-    say("loaded")
-    check(r(x))
-elif variant == "so_runner":
-    out = os.path.join(work, "unzipped")
-    import zipfile
-    zipfile.ZipFile(path).extractall(out)
-    so = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.endswith(".so")]
-    say("so", so)
-    R = torch._C._aoti.AOTIModelContainerRunnerCuda(so[0], 1, "cuda", os.path.dirname(so[0]))
-    say("runner made")
-    check(R.run([x])[0])
 say("OK")
 '''
 
 
-def run(variant: str, work: str, timeout: int, gdb: str = "") -> dict[str, object]:
+def run(variant: str, work: str, timeout: float, gdb: str = "") -> dict[str, object]:
     script = os.path.join(work, "child.py")
     cmd = [sys.executable, script, variant, work]
     if gdb:
         cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 25", "--args", *cmd]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout),
+                           env=env)
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired:
-        rc, out, err = None, "", "timed out"
+        rc, out, err = None, "", f"timed out at {timeout:.0f} s"
     stages = [ln[len("stage: "):] for ln in out.splitlines() if ln.startswith("stage: ")]
     tail = [ln for ln in (err + ("\n" + out if gdb else "")).splitlines()
             if ln.strip() and "Warning" not in ln][-(25 if gdb else 8):]
     return {"variant": variant + (" (gdb)" if gdb else ""), "rc": rc, "stages": stages,
-            "tail": tail}
+            "seconds": round(time.perf_counter() - started, 1), "tail": tail}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="the CPU variants only")
-    ap.add_argument("--timeout", type=int, default=240, help="per process, seconds")
+    ap.add_argument("--cpu-too", action="store_true", help="the CPU variants after CUDA's")
+    ap.add_argument("--budget", type=float, default=115, help="seconds for the whole probe")
     args = ap.parse_args()
+    deadline = time.perf_counter() + args.budget
     work = tempfile.mkdtemp(prefix="aoti_probe_")
     with open(os.path.join(work, "child.py"), "w") as f:
         f.write(CHILD)
-    plan = ["build_cpu", "fresh_cpu"] if args.cpu else \
-        ["build_cuda", "fresh_cuda", "fresh_public", "so_runner", "build_cpu", "fresh_cpu"]
+    cuda = ["build_cuda", "fresh_cuda", "fresh_runner"]
+    cpu = ["build_cpu", "fresh_cpu", "fresh_runner_cpu"]
+    plan = cpu if args.cpu else cuda + (cpu if args.cpu_too else [])
     results = []
     for v in plan:
-        r = run(v, work, args.timeout)
+        left = deadline - time.perf_counter()
+        if left < 5:
+            print(f"== {v}: not run (budget spent)")
+            continue
+        r = run(v, work, left)
         results.append(r)
-        print(f"== {r['variant']}: rc={r['rc']}; stages {r['stages']}")
+        print(f"== {r['variant']}: rc={r['rc']} in {r['seconds']} s; stages {r['stages']}")
         for ln in r["tail"]:
             print("   ", ln[:300])
-    crashed = next((r for r in results if r["variant"] == "fresh_cuda" and r["rc"] != 0), None)
+    crashed = next((r for r in results if str(r["variant"]).startswith("fresh")
+                    and r["rc"] not in (0, None)), None)
     gdb = shutil.which("gdb") or shutil.which("cuda-gdb") or ""
-    if crashed is not None and gdb:
-        r = run("fresh_cuda", work, args.timeout, gdb=gdb)
+    left = deadline - time.perf_counter()
+    if crashed is not None and gdb and left > 15:
+        r = run(str(crashed["variant"]), work, left, gdb=gdb)
         results.append(r)
         print(f"== {r['variant']}: rc={r['rc']}")
         for ln in r["tail"]:
             print("   ", ln[:300])
     elif crashed is not None:
-        print("(neither gdb nor cuda-gdb installed: no native stack)")
+        print("(no native stack: " + ("budget spent)" if gdb else
+                                       "neither gdb nor cuda-gdb installed)"))
     names = sorted(os.path.relpath(n, work) for n in glob.glob(os.path.join(work, "*.pt2")))
     for n in names:
         with zipfile.ZipFile(os.path.join(work, n)) as z:
