@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from _whole import stop_compile_workers  # noqa: E402
 from bench_replay_overhead import NullCapturer  # noqa: E402 (a stand-in whose replay is free)
 
 
@@ -125,10 +126,8 @@ def main() -> None:
                                 overrides=None if args.cuda else {"backend": "eager"})
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
     if args.cuda:
-        from torch._inductor.async_compile import shutdown_compile_workers
-
-        shutdown_compile_workers()  # no worker pool beside the timed turns
         generate(model)  # every signature captured
+        stop_compile_workers()  # no worker pool beside the timed turns
     compiled = [r.path for r in handle.report if r.status == "compiled"]
     spent = {"eager": [0.0, 0], "names": [0.0, 0]}
     undo = [time_mlps(base, spent["eager"]), time_mlps(model, spent["names"])]
