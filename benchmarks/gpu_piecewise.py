@@ -21,6 +21,10 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   aot_eager (`[region.compile] backend`), still captured: its 4 resolutions are
                   4 inductor compiles (~11 s on the H200, in both plans) for conv-bound blocks
                   whose launches the region graph saves anyway (an experiment: ask with --arms)
+  sdpa_piecewise_trunkfull  sdpa_piecewise with the camera trunk's two pieces compiled in full
+                  as before v19s: no piece shared across input strides (runtime/piece_restride)
+                  and no light piece across regions (piece_cache.PieceWork): what they cut (ask
+                  for it with --arms)
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
@@ -114,12 +118,14 @@ from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
-        "sdpa_piecewise_lightfusion", "gpt2_eager", "gpt2_piecewise", "gpt2_stack",
+        "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "gpt2_eager", "gpt2_piecewise",
+        "gpt2_stack",
         "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
-                                                  "sdpa_piecewise_lightfusion", "gpt2_ab",
+                                                  "sdpa_piecewise_lightfusion",
+                                                  "sdpa_piecewise_trunkfull", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
                                                   "gpt2_ab_fused"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
@@ -171,6 +177,15 @@ def _as_before() -> None:
 
     piece_cache.piece_key = lambda *a, **k: None  # type: ignore[assignment]
     piecewise.DEFER_STRUCTURES = False  # every list-cache structure compiles at once
+
+
+def _trunk_full() -> None:
+    """sdpa_piecewise_trunkfull: no piece takes a compile of other input strides, and light
+    pieces only by their own graph's share (or size), as before piece_restride / PieceWork."""
+    import surgery.runtime.piece_cache as piece_cache
+
+    piece_cache.PieceCache._restrided = lambda self, gm, key, *a: (None, key)  # type: ignore
+    piece_cache.PieceWork.light = lambda self, g, p, pieces: [False] * len(pieces)  # type: ignore
 
 
 def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:
@@ -299,6 +314,8 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
         import surgery.runtime.index_select as index_select
 
         index_select.SELECT_SLOTS = False
+    if arm == "sdpa_piecewise_trunkfull":
+        _trunk_full()
     if arm == "sdpa_piecewise_unshared":  # frame blocks compile whole (no shared pieces)
         import surgery.runtime.apply as apply_module
 
