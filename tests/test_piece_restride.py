@@ -160,3 +160,44 @@ def test_the_trunk_runs_the_global_blocks_piece_after_attention(
     assert all(handle.report.by_path(p).pieces_restrided == 0 for p in GLOBAL)
     assert sum(r.pieces_compiled for r in trunk) == 1
     assert all(r.cuda_graph_replays > 0 for r in trunk)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_trunk_compiles_only_its_light_piece_and_replays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with inductor and region capture (bf16 autocast, as the benchmark streams): the
+    frame blocks build the RopeBlock's two pieces, the global blocks share them, the trunk's
+    piece after attention is theirs too (restrided where its attention output's layout differs:
+    flash attention lays it out like q) and its piece before attention compiles light. Every
+    trunk path replays; outputs and the trunk's cache within bf16 tolerance of eager's over 20
+    frames (its full window compiles at 17)."""
+    import surgery.runtime.compile_start as compile_start
+    from surgery.examples import tiny_sdpa
+
+    monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # tiny sizes: the share rules
+    torch.manual_seed(0)
+    model = tiny_sdpa().cuda().eval()
+    ref = copy.deepcopy(model)
+    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
+    manifest.compile = {**manifest.compile, "backend": "inductor"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for s in range(20):
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2e-2,
+                                           atol=2e-2)
+    for mine, theirs in zip(model.camera_head.kv_cache, ref.camera_head.kv_cache, strict=True):
+        torch.testing.assert_close(torch.stack(mine).float(), torch.stack(theirs).float(),
+                                   rtol=2e-2, atol=2e-2)
+    trunk = [handle.report.by_path(p) for p in TRUNK]
+    detail = [(r.status, r.pieces_compiled, r.pieces_light, r.pieces_restrided,
+               r.cuda_graph_replays) for r in trunk]
+    assert all(r.status == "compiled" for r in trunk), detail
+    assert sum(r.pieces_compiled for r in trunk) == 1, detail  # the light one only
+    assert sum(r.pieces_light for r in trunk) == 1, detail
+    assert all(r.cuda_graph_replays > 0 for r in trunk), detail
