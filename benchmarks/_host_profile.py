@@ -1,14 +1,14 @@
 """Where a decode step's host time goes: one profiled call, split into the shares issue 19b
 measured by hand (used by gpu_piecewise.py's ``--profile``).
 
-One call is timed (the pieces by a timer around ``StaticPiece.forward``), another runs under
+One call is timed (the pieces by a timer around ``StaticPiece.__call__``), another runs under
 ``cProfile``, whose shares are of the profiled time (profiling slows Python more than C, and
 its cumulative times are unreliable under frames dynamo runs, so only self times are used):
 
 - ``dynamo_entry``: self time of eval_frame.py's ``compile_wrapper``, the wrapper that enters a
   compiled function (frame entry and the guard check of the entry that hits run in C under
   it; the ``disable`` wrappers around compiled pieces are not counted here);
-- ``pieces``: time inside surgery's static pieces (``StaticPiece.forward``, ops included), of
+- ``pieces``: time inside surgery's static pieces (``StaticPiece.__call__``, ops included), of
   the timed call's wall time;
 - ``attention``: self time of the ``scaled_dot_product_attention`` builtin (between pieces);
 - ``surgery``: self time of surgery's own modules outside the pieces (the piecewise wrappers,
@@ -30,7 +30,7 @@ from typing import Any
 
 _EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
 _SURGERY = os.sep + "surgery" + os.sep
-_PIECE = "piecewise_split.py"
+_PIECE = "piece_replay.py"
 
 
 def _entry(key: tuple[str, int, str]) -> bool:
@@ -39,11 +39,11 @@ def _entry(key: tuple[str, int, str]) -> bool:
 
 
 def _timed_pieces(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall s of fn(), s inside surgery's static pieces), timing StaticPiece.forward itself:
+    """(wall s of fn(), s inside surgery's static pieces), timing StaticPiece.__call__ itself:
     cProfile's cumulative times are unreliable under frames dynamo runs."""
     from surgery.runtime.piecewise_split import StaticPiece
 
-    inner = StaticPiece.forward
+    inner = StaticPiece.__call__
     spent = [0.0]
 
     def timed(self: Any, *args: Any) -> Any:
@@ -53,13 +53,13 @@ def _timed_pieces(fn: Callable[[], Any]) -> tuple[float, float]:
         finally:
             spent[0] += time.perf_counter() - t
 
-    StaticPiece.forward = timed  # type: ignore[method-assign]
+    StaticPiece.__call__ = timed  # type: ignore[method-assign]
     try:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0, spent[0]
     finally:
-        StaticPiece.forward = inner  # type: ignore[method-assign]
+        StaticPiece.__call__ = inner  # type: ignore[method-assign]
 
 
 def host_profile(fn: Callable[[], Any], *, tokens: int) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def host_profile(fn: Callable[[], Any], *, tokens: int) -> dict[str, Any]:
                     if k[0] == "~" and "scaled_dot_product_attention" in k[2])
     # surgery's self time outside the pieces (a piece's own frames are inside `pieces`)
     own = sum(v[2] for k, v in stats.items() if _SURGERY in k[0] and not (
-        k[0].endswith(_PIECE) and k[2] in ("forward", "run", "ensure")))
+        k[0].endswith(_PIECE) and k[2] in ("__call__", "run", "ensure")))
     share = {"dynamo_entry": entry / total, "pieces": pieces / wall,
              "attention": attention / total, "surgery": own / total}
     share["rest"] = max(0.0, 1.0 - sum(share.values()))

@@ -6,14 +6,19 @@ catch what they must (moved weights, replaced weights), tokens identical to eage
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import fx, nn
 
+import surgery
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.piece_replay import StaticPiece, inline_between
+from surgery.runtime.piecewise_split import drop_dead_sizes
 from surgery.runtime.report import RegionRecord
 from tests.test_piecewise_stack import (
     generate,
@@ -132,3 +137,114 @@ def test_cuda_weight_moved_in_place_between_generates_is_not_read_from_the_old_a
         same_as_eager(generate(model, ids), generate(ref, ids), exact=False)
     assert any(MOVED in n for n in stack.notes), stack.notes
     assert stack.graphs_captured > captured
+
+
+class _FreeGraph:
+    """A captured graph whose replay runs nothing: what is left of a piece's call is surgery's."""
+
+    def replay(self) -> None:
+        return None
+
+
+class _FreeCapturer:
+    device = -1
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.owned: Any = weakref.WeakValueDictionary()
+
+    def capture(self, work: Any) -> _FreeGraph:
+        work()  # fills the owned outputs once
+        return _FreeGraph()
+
+
+_MODULE_CALL = (nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
+
+
+def _surgery_frames(fn: Any) -> int:
+    """Python frames entered in surgery/ and nn.Module's call path while fn() runs (generator
+    resumes included)."""
+    root = os.path.dirname(os.path.abspath(surgery.__file__)) + os.sep
+    seen = [0]
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and (frame.f_code.co_filename.startswith(root)
+                                or frame.f_code in _MODULE_CALL):
+            seen[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0]
+
+
+def _decode_frames(layers: int) -> tuple[float, float]:
+    """(frames, piece replays) per decode token of a stack of ``layers`` blocks."""
+    model, _, slot, rec = installed_stack(layers=layers)
+    slot.capturer = slot.graphs.capturer = _FreeCapturer()
+    with torch.no_grad():
+        for _ in range(2):  # the pieces compile, then capture
+            generate(model, IDS, 6)
+        short = _surgery_frames(lambda: generate(model, IDS, 4))
+        mid = rec.cuda_graph_replays
+        long = _surgery_frames(lambda: generate(model, IDS, 12))
+    # generate(n) runs a prefill (eager) and n - 1 decode steps
+    replays = (rec.cuda_graph_replays - mid) / 11
+    assert replays == layers + 1, rec.notes  # every piece replays
+    return (long - short) / 8, replays
+
+
+def test_a_decode_token_costs_few_surgery_frames_per_piece_replay() -> None:
+    """On a host-bound decode each Python frame of a piece's call repeats ~13 times a token
+    (GPT-2 small). A replay enters the piece and its region graphs directly: no nn.Module call
+    path, no generator per output set or per output, no pytree rebuild of the list a compiled
+    piece returns, the running path looked up once per graph run. Counted as the frames a
+    block adds to a decode token (the stack's own call cancels out): at most REPLAY_FRAMES
+    (about 26 before, with the pytree's)."""
+    f2, r2 = _decode_frames(2)
+    f4, r4 = _decode_frames(4)
+    per_replay = (f4 - f2) / (r4 - r2)
+    # StaticPiece.__call__, RegionGraphs.__call__, plain_signature, _replay, held, hand_out
+    assert per_replay <= REPLAY_FRAMES, (f2, f4, r2, r4)
+
+
+REPLAY_FRAMES = 6
+
+
+def test_dead_size_arithmetic_is_dropped_and_nothing_else() -> None:
+    """Size arithmetic nothing uses (dynamo leaves a ``sym_sum`` per layer and a ``numel`` in a
+    decoder stack's graph) is erased before the split, so it never runs between pieces; an
+    in-place method whose result is unused (a cache write) is NOT erased, which a general
+    dead-code pass would do (FX counts call_method as pure)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    cache = g.placeholder("cache")
+    n = g.call_method("numel", (x,))  # dead
+    s = g.call_function(torch.sym_sum, ([n, 1],))  # dead, and makes n dead too
+    written = g.call_method("add_", (cache, x))  # dead result, live effect
+    size = g.call_method("size", (x, 0))  # used below
+    out = g.call_method("view", (x, size))
+    g.output(out)
+    gm = fx.GraphModule(nn.Module(), g)
+    for node, value in ((n, 3), (s, 4), (size, 3)):
+        node.meta["example_value"] = value
+    written.meta["example_value"] = torch.zeros(3)
+    assert drop_dead_sizes(gm) == 2
+    kept = [nd.target for nd in gm.graph.nodes if nd.op.startswith("call")]
+    assert kept == ["add_", "size", "view"], kept
+    c = torch.zeros(3)
+    gm(torch.ones(3), c)
+    assert torch.equal(c, torch.ones(3))  # the cache write still runs
+
+
+def test_the_stack_runs_no_dead_size_op_between_pieces() -> None:
+    model, ref, slot, rec = installed_stack()
+    with torch.inference_mode():
+        warm(model, ref, rec)
+    (graph,) = slot.group.graphs
+    dead = [n.name for n in graph.split.graph.nodes if n.op.startswith("call")
+            and not n.users and n.target in (torch.sym_sum, "numel", "size")]
+    assert not dead, dead

@@ -130,6 +130,26 @@ def hoist_sizes(gm: fx.GraphModule) -> int:
     return len(moved)
 
 
+def drop_dead_sizes(gm: fx.GraphModule) -> int:
+    """Erase size arithmetic whose result nothing uses (dynamo leaves some: a decoder stack's
+    ``sym_sum`` per layer, a cache's ``numel``), which would otherwise run between pieces every
+    call; returns how many. Only ops of ``_SIZE_OPS`` with an int or SymInt result: they read
+    metadata only and write nothing, so erasing one cannot change what the graph computes (a
+    general dead-code pass could: FX counts an in-place method such as ``index_copy_`` as pure)."""
+    dropped = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if node.users or node.op not in ("call_function", "call_method") or \
+                op_name(node) not in _SIZE_OPS or \
+                not isinstance(node.meta.get("example_value"), int | torch.SymInt):
+            continue
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.graph.lint()
+        gm.recompile()
+    return dropped
+
+
 def _free(node: fx.Node) -> bool:
     return node.target in _FREE or op_name(node) in _FREE
 
@@ -212,6 +232,7 @@ class PiecewiseGraph:
         stable = {n.name for n, e in zip(placeholders, example_inputs, strict=False)
                   if id(e) in stable_ids or isinstance(e, nn.Parameter)}
         hoist_sizes(gm)
+        self.dead_sizes = drop_dead_sizes(gm)  # before the split: never run between pieces
         between = _merge_free_runs(classify(gm, split_ops=split_ops, cache_inputs=cache_inputs))
         part: dict[fx.Node, int] = {}
         pid, last = 0, None
@@ -223,6 +244,7 @@ class PiecewiseGraph:
         largest = largest_activations(between, part, stable)
         self.split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
         self.state_for = state_for
+        self.state: PathPieces | None = None  # the running path's, while a run lasts
         self.static: list[StaticPiece] = []
         self.between_ops = 0  # ops a call runs between pieces
         self.split_ops_seen: list[str] = sorted({op_name(n) for n, b in between.items() if b})
@@ -241,6 +263,8 @@ class PiecewiseGraph:
             piece.largest = largest.get(idx)
             self.static.append(piece)
             setattr(self.split, node.target, piece)
+        # static pieces that do work (what "pieces" counts in reports; read every run)
+        self.pieces = sum(1 for p in self.static if p.work)
         # a piecewise region's graph (``backend``: its plan's) may have light pieces: pieces
         # that hold a small share of its work, replayed as graphs (compile_start)
         path = state_for()
@@ -260,10 +284,12 @@ class PiecewiseGraph:
                 path.notes.append(note)
         self.inlined = inline_between(self.split, {p.gm for p in self.static})
 
-    @property
-    def pieces(self) -> int:
-        """Static pieces that do work (what "pieces" counts in reports)."""
-        return sum(1 for p in self.static if p.work)
 
     def __call__(self, *args: Any) -> Any:
-        return self.split(*args)
+        # The running path's state, looked up once per run for every piece (StaticPiece reads
+        # ``state``); put back after, so a nested run leaves the outer one its own.
+        prev, self.state = self.state, self.state_for()
+        try:
+            return self.split(*args)
+        finally:
+            self.state = prev

@@ -71,6 +71,39 @@ def _flatten(obj: Any, sig: list[Any], tensors: list[torch.Tensor], device: int)
     return False
 
 
+def call_signature(training: bool, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """A call's signature (the module's ``training``, inference mode, the device's autocast,
+    then each argument as _flatten has it) and its tensors; None if it cannot be captured."""
+    kind = "cuda" if device >= 0 else "cpu"  # the autocast state of the device it runs on
+    sig: list[Any] = [training, torch.is_inference_mode_enabled(),
+                      torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind)]
+    tensors: list[torch.Tensor] = []
+    if not _flatten_args(args, sig, tensors, device):
+        return None
+    if kwargs:
+        keys = sorted(kwargs)
+        sig.append(tuple(keys))
+        if not _flatten([kwargs[k] for k in keys], sig, tensors, device):
+            return None
+    return tuple(sig), tensors
+
+
+def plain_signature(training: bool, device: int, args: tuple[Any, ...]
+                    ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """call_signature() of a call without kwargs whose arguments are all plain tensors on the
+    device (a static piece's call: surgery.runtime.piece_replay), the same tuple built in one
+    frame; None for any other call, which then takes call_signature()."""
+    kind = "cuda" if device >= 0 else "cpu"
+    sig: list[Any] = [training, torch.is_inference_mode_enabled(),
+                      torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind)]
+    for a in args:
+        if type(a) is not torch.Tensor or a.get_device() != device or a.is_sparse:
+            return None
+        sig.append((a.shape, a.stride(), a.dtype))
+    return tuple(sig), list(args)
+
+
 def _substitute(obj: Any, it: Any) -> Any:
     """obj with each tensor replaced by the next item of ``it`` (same walk as _flatten)."""
     if isinstance(obj, torch.Tensor):
@@ -84,8 +117,10 @@ def _out_tensors(out: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Ten
     """The output's tensors and a function that rebuilds it from new ones; None if unsupported."""
     if isinstance(out, torch.Tensor):
         return [out], _first
-    if type(out) is tuple and all(isinstance(o, torch.Tensor) for o in out):
-        return list(out), tuple
+    # A tuple or a list of tensors is rebuilt by its own type, one C call per replay (aot_eager
+    # and inductor return lists: through pytree that was a dozen Python frames a replay).
+    if type(out) in (tuple, list) and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out), type(out)
     leaves, spec = torch.utils._pytree.tree_flatten(out)
     if not all(isinstance(x, (torch.Tensor, *_SCALARS)) for x in leaves):
         return None
@@ -132,6 +167,9 @@ class _Watch:
                          if isinstance(v, torch.Tensor)]
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self.storages = {t.untyped_storage().data_ptr() for t in self._tensors}
+        # False for a module with nothing to watch (a static piece's stand-in module): then
+        # nothing can change, and the replay skips the check
+        self.tracked = bool(self._ids)
 
     def unchanged(self) -> bool:
         return (list(map(id, map(dict.get, self._dicts, self._keys))) == self._ids

@@ -77,13 +77,13 @@ from surgery.runtime.graphs.outputs import (
     MAX_OUTPUT_SETS,
     NO_USE_COUNT,
     _Captured,
-    _flatten,
-    _flatten_args,
     _layout_of,
     _out_tensors,
     _Outputs,
     _substitute,
     _Watch,
+    call_signature,
+    plain_signature,
 )
 
 __all__ = ["MAX_GRAPHS_PER_PATH", "MAX_OUTPUT_SETS", "MAX_STATE_MOVES", "STATE_MOVES_REASON",
@@ -140,27 +140,18 @@ class RegionGraphs:
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
-        dev = self.capturer.device
-        kind = "cuda" if dev >= 0 else "cpu"  # the autocast state of the device it runs on
-        sig: list[Any] = [self.module.training, torch.is_inference_mode_enabled(),
-                          torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind)]
-        tensors: list[torch.Tensor] = []
-        if not _flatten_args(args, sig, tensors, dev):
-            return None
-        if kwargs:
-            keys = sorted(kwargs)
-            sig.append(tuple(keys))
-            if not _flatten([kwargs[k] for k in keys], sig, tensors, dev):
-                return None
-        return tuple(sig), tensors
+        return call_signature(self.module.training, self.capturer.device, args, kwargs)
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  run_compiled: RunCompiled) -> Any:
         if self.disabled or torch.is_grad_enabled():
             return run_compiled(args, kwargs)[0]
-        found = self.signature(args, kwargs)
+        found = plain_signature(self.module.training, self.capturer.device, args) \
+            if not kwargs else None
         if found is None:
-            return run_compiled(args, kwargs)[0]
+            found = self.signature(args, kwargs)
+            if found is None:
+                return run_compiled(args, kwargs)[0]
         sig, tensors = found
         cap = self.graphs.get(sig)
         if cap is not None:
@@ -186,8 +177,9 @@ class RegionGraphs:
 
     def _replay(self, sig: tuple[Any, ...], cap: _Captured, tensors: list[torch.Tensor],
                 args: tuple[Any, ...], kwargs: dict[str, Any], run_compiled: RunCompiled) -> Any:
-        assert self.watch is not None
-        if not self.watch.unchanged():
+        watch = self.watch
+        assert watch is not None
+        if watch.tracked and not watch.unchanged():
             self.drop("the region's parameters, buffers or submodules changed since capture")
             self.state_moves += 1
             if self.state_moves >= MAX_STATE_MOVES:
@@ -205,7 +197,11 @@ class RegionGraphs:
                 return run_compiled(args, kwargs)[0]
         # An output set whose last outputs nobody holds any more; checked in clone mode too,
         # since aliases returned before the switch may still live.
-        outs = next((o for o in cap.sets if not o.held()), None)
+        outs = None
+        for o in cap.sets:
+            if not o.set.held():
+                outs = o
+                break
         if outs is None and not self.clone and len(cap.sets) >= MAX_OUTPUT_SETS:
             self.clone = True
             self.warn(f"the outputs of its last {MAX_OUTPUT_SETS} calls were all still "
@@ -242,7 +238,7 @@ class RegionGraphs:
         for i in cap.written:
             tensors[i].copy_(inputs[i])
         self.output_sets = max(self.output_sets, len(cap.sets))
-        return cap.rebuild(outs.hand_out(self.clone))
+        return cap.rebuild(outs.set.hand_out(self.clone))
 
     def demote(self, why: str) -> None:
         """Stop capturing for good and free the graphs (max_graph_memory: graphs.demote)."""

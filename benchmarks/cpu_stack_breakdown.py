@@ -1,0 +1,210 @@
+"""Where a token of the GPT-2 piecewise stack spends its host time, layer by layer (CPU).
+
+Why. On an H200 the stack's decode is host-bound (3.8 ms a token against well under 3 ms of
+GPU time), so the figure to cut is host time. cProfile distorts it (it slows Python frames far
+more than C calls, and it cannot see into dynamo's frame entry), so this script times each layer
+of one token with this thread's CPU time around the calls themselves, inclusive (per decode
+token: ``generate()`` of 2N tokens minus N, over N, so the prefill and set-up cancel), and
+subtracts:
+
+- ``generate``: one ``generate()`` per token, all of it;
+- ``model_forward``: ``GPT2LMHeadModel.forward`` (so ``generate`` minus it is HF's own work:
+  logits processing, stopping criteria, the next input's preparation);
+- ``stack_wrapper``: the piecewise region's wrapper over ``transformer`` (``PiecewiseSlot.call``);
+  model_forward minus it is ``lm_head`` and the output's construction;
+- ``dynamo_call``: the compiled function's call (``PiecewiseGroup.call``); stack_wrapper minus
+  it is surgery's bookkeeping per call (cache checks, counters);
+- ``graph``: the split graph's run (``PiecewiseGraph.__call__``); dynamo_call minus it is
+  dynamo's entry: the guard check, and the frame's side-effect bytecode after the graph (the
+  cache's new tensors stored back);
+- ``pieces``: the static pieces' calls (``StaticPiece.forward``); graph minus it is the glue
+  between pieces (attention, the cache cats, masks: the ops that run eagerly);
+- ``replay``: the pieces' region graphs (``RegionGraphs.__call__``); pieces minus it is the
+  piece's own lookups (graph set, weights' pointers, picking inputs).
+
+Pieces compile with ``eager`` and a stand-in capturer replays nothing (benchmarks/
+bench_replay_overhead.py's ``NullCapturer``), so a replay costs only surgery's host work, as on
+the H200 where the GPU runs behind the host. The timers cost ~3 us a call (a thread-time read);
+the script reports the untimed ms a token too, and the Python and C calls a decode token makes
+(``calls_per_token``, by ``sys.setprofile``): a count, which the host's load does not move.
+
+    python benchmarks/cpu_stack_breakdown.py [--layers 12] [--width 64] [--tokens 32]
+        [--rounds 5] [--arms stack,eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_replay_overhead import NullCapturer  # noqa: E402 (a stand-in whose replay is free)
+
+LAYERS = ("generate", "model_forward", "stack_wrapper", "dynamo_call", "graph", "pieces",
+          "replay")
+# What each layer minus the next one is.
+SELF = {"generate": "hf_generate_own", "model_forward": "lm_head_and_output",
+        "stack_wrapper": "surgery_call_bookkeeping", "dynamo_call": "dynamo_entry_and_effects",
+        "graph": "glue_between_pieces", "pieces": "piece_lookups", "replay": "replay_checks"}
+# This thread's CPU time, not wall time: the 2-core host is shared, and a process that waits for
+# a core would read its wait as host work. (One thread: torch runs with 1 thread here.)
+CLOCK = time.thread_time
+
+
+def _timer(spent: dict[str, float], label: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner`` timed into ``spent[label]``, outermost calls only (a stack's prefill runs eager
+    and calls its standby blocks' wrappers: the same layer nested, which must count once)."""
+    depth = [0]
+
+    @functools.wraps(inner)  # generate() reads forward's signature to choose its kwargs
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        t = CLOCK()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                spent[label] += CLOCK() - t
+    return timed
+
+
+def calls_per_token(generate: Callable[[int], Any], tokens: int) -> dict[str, float]:
+    """Python function calls and C calls a decode token makes, all of them and those in
+    surgery's own modules (generate() of 2N tokens minus N, over N): a count, so it does not
+    move with the host's load as the times do."""
+    root = os.path.join(os.path.dirname(HERE), "surgery") + os.sep
+
+    def count(n: int) -> list[int]:
+        seen = [0, 0, 0]  # python calls, C calls, python calls in surgery/
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                seen[0] += 1
+                if frame.f_code.co_filename.startswith(root):
+                    seen[2] += 1
+            elif event == "c_call":
+                seen[1] += 1
+
+        sys.setprofile(hook)
+        try:
+            generate(n)
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    short, long = count(tokens), count(2 * tokens)
+    per = [(b - a) / tokens for a, b in zip(short, long, strict=True)]
+    return {"python": round(per[0], 1), "c": round(per[1], 1),
+            "python_in_surgery": round(per[2], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    import torch
+    import transformers
+
+    from surgery import apply_manifest
+    from surgery.planning.plan import plan_module
+    from surgery.runtime import apply as apply_mod
+    from surgery.runtime import piece_replay, piecewise, piecewise_split
+    from surgery.runtime.graphs import replay
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=2,
+                                  vocab_size=100, n_positions=256, bos_token_id=None,
+                                  eos_token_id=None)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def generate(m: Any, n: int = args.tokens) -> Any:
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    model = copy.deepcopy(base)
+    manifest = plan_module(model, source="cpu_stack_breakdown", piecewise=True).manifest
+    capturer = NullCapturer()
+    apply_mod._on_cuda = lambda module, model: True  # type: ignore[assignment]
+    apply_mod._capturer_for = lambda module: capturer  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 4), passes=2,
+                                overrides={"backend": "eager"})
+    want = generate(base)
+    identical = bool(torch.equal(generate(model), want))
+    compiled = [r.path for r in handle.report if r.status == "compiled"]
+    replays0 = sum(r.cuda_graph_replays for r in handle.report)
+
+    # untimed first, the two models taking turns (the host is shared: compare in one run)
+    ms: dict[str, list[float]] = {"stack": [], "eager": []}
+    for i in range(args.rounds):
+        for arm in ("stack", "eager") if i % 2 == 0 else ("eager", "stack"):
+            m = model if arm == "stack" else base
+            t = CLOCK()
+            generate(m)
+            ms[arm].append((CLOCK() - t) * 1e3 / args.tokens)
+    replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds
+
+    patches: list[tuple[Any, str, Any]] = [
+        (type(model), "forward", type(model).forward),
+        (piecewise.PiecewiseSlot, "call", piecewise.PiecewiseSlot.call),
+        (piecewise.PiecewiseGroup, "call", piecewise.PiecewiseGroup.call),
+        (piecewise_split.PiecewiseGraph, "__call__", piecewise_split.PiecewiseGraph.__call__),
+        (piece_replay.StaticPiece, "__call__", piece_replay.StaticPiece.__call__),
+        (replay.RegionGraphs, "__call__", replay.RegionGraphs.__call__)]
+    # Per decode token: generate() of 2N tokens minus generate() of N, over N (the prefill, which
+    # runs eager inside the stack's wrapper, and generate()'s set-up cancel out).
+    spent = {n: dict.fromkeys(LAYERS, 0.0) for n in (args.tokens, 2 * args.tokens)}
+    for n, into in spent.items():
+        for (owner, name, inner), label in zip(patches, LAYERS[1:], strict=True):
+            setattr(owner, name, _timer(into, label, inner))
+        try:
+            for _ in range(args.rounds):
+                t = CLOCK()
+                generate(model, n)
+                into["generate"] += CLOCK() - t
+        finally:
+            for owner, name, inner in patches:
+                setattr(owner, name, inner)
+    short, long = spent[args.tokens], spent[2 * args.tokens]
+    inclusive = {k: (long[k] - short[k]) * 1e6 / (args.rounds * args.tokens) for k in LAYERS}
+    own = {SELF[k]: inclusive[k] - (inclusive[LAYERS[i + 1]] if i + 1 < len(LAYERS) else 0.0)
+           for i, k in enumerate(LAYERS)}
+    calls = calls_per_token(lambda n: generate(model, n), args.tokens)
+    res = {"torch": torch.__version__, "layers": args.layers, "width": args.width,
+           "tokens": args.tokens,
+           "stack_ms_per_token": round(statistics.median(ms["stack"]), 3),
+           "eager_ms_per_token": round(statistics.median(ms["eager"]), 3),
+           "eager_over_stack": round(statistics.median(ms["eager"])
+                                     / statistics.median(ms["stack"]), 2),
+           "timed_decode_ms_per_token": round(inclusive["generate"] / 1e3, 3),
+           "piece_replays_per_token": round(replays / args.tokens, 2),
+           "us_per_token": {k: round(v, 1) for k, v in own.items()},
+           "calls_per_token": calls,
+           "tokens_identical": identical, "compiled_paths": compiled}
+    if not compiled or replays == 0:
+        print("NOTHING REPLAYED: the stack path did not capture; the breakdown is meaningless",
+              file=sys.stderr)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
