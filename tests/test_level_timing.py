@@ -296,3 +296,30 @@ def test_the_bare_steps_take_turns_with_the_passes_so_a_warming_stream_is_all_co
     cov = coverage(obs, ["0"])
     assert obs.step_ms == pytest.approx(0.1), obs.step_ms
     assert cov["covered_share"] >= 0.99, cov
+
+
+class SlowlyWarmingBlock(nn.Module):
+    """A block 100 us faster each call for its first nine calls, then 100 us a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        NOW[0] += max(100, 1000 - 100 * self.seen) * US
+        self.seen += 1
+        return x
+
+
+def test_the_step_settles_before_timing_so_a_stream_that_gets_faster_is_all_covered() -> None:
+    """Taking turns is not enough while every step is faster than the last: in each round the
+    block, timed after the root, saw a faster model, and at 100 us a step less the root came out
+    at 2x its only child (coverage 33%). Bare steps run first until the step stops getting
+    faster; a model that gets slower (a growing cache) settles in three."""
+    model = nn.Sequential(SlowlyWarmingBlock()).eval()
+    obs = observe(model, lambda m: m(X), steps=1, timed_steps=3, clock=read_clock)
+    assert coverage(obs, ["0"])["covered_share"] >= 0.99
+    assert obs.settle_steps == 11, obs.settle_steps  # 900 .. 100 us, then 100 and 100 again
+    grow = observe(nn.Sequential(GrowingBlock()).eval(), lambda m: m(X), steps=1, timed_steps=3,
+                   clock=read_clock)
+    assert grow.settle_steps == 3, grow.settle_steps

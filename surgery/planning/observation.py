@@ -67,6 +67,7 @@ class Observation:
     hook_ms_per_call: float = 0.0
     hook_pair_ms: float = 0.0
     timing_passes: int = 0  # one a nesting level (level_timing)
+    settle_steps: int = 0  # bare steps run before timing, until the step stopped getting faster
     # One step's calls, path, parent index, ms: the last watched step's call tree, each call's
     # fastest span over the timed steps.
     timed_calls: list[tuple[str, int, float]] = field(default_factory=list)
