@@ -203,7 +203,7 @@ def test_a_decode_token_costs_few_surgery_frames_per_piece_replay() -> None:
     path, no generator per output set or per output, no pytree rebuild of the list a compiled
     piece returns, the running path looked up once per graph run. Counted as the frames a
     block adds to a decode token (the stack's own call cancels out): at most REPLAY_FRAMES
-    (about 26 before, with the pytree's)."""
+    (about 20 before, and a pytree rebuild's frames outside surgery)."""
     f2, r2 = _decode_frames(2)
     f4, r4 = _decode_frames(4)
     per_replay = (f4 - f2) / (r4 - r2)

@@ -27,6 +27,11 @@ written for a few C-level calls, not Python loops, while every check a replay ne
   A submodule reading attributes of its own stays a call.
 - **Inputs.** A piece's weights and its other inputs are picked with ``operator.itemgetter``
   built once per piece, not rebuilt per call.
+- **Frames.** The split graph calls a piece directly (``StaticPiece.__call__``, not nn.Module's
+  call path: nothing can hook a piece), the running path is looked up once per graph run
+  (``PiecewiseGraph.state``), the list a compiled piece returns is rebuilt by ``list`` (not
+  pytree), and the outputs are reordered by ``itemgetter``: six frames of surgery a replay
+  (tests/test_piece_replay.py counts them), against about twenty before and a pytree rebuild.
 """
 
 from __future__ import annotations
