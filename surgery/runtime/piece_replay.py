@@ -29,9 +29,10 @@ written for a few C-level calls, not Python loops, while every check a replay ne
   built once per piece, not rebuilt per call.
 - **Frames.** The split graph calls a piece directly (``StaticPiece.__call__``, not nn.Module's
   call path: nothing can hook a piece), the running path is looked up once per graph run
-  (``PiecewiseGraph.state``), the list a compiled piece returns is rebuilt by ``list`` (not
-  pytree), and the outputs are reordered by ``itemgetter``: six frames of surgery a replay
-  (tests/test_piece_replay.py counts them), against about twenty before and a pytree rebuild.
+  (``PiecewiseGraph.local``, per thread), the list a compiled piece returns is rebuilt by
+  ``list`` (not pytree), and the outputs are reordered by ``itemgetter``: six frames of surgery
+  a replay (tests/test_piece_replay.py counts them), against about twenty before and a pytree
+  rebuild.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class StaticPiece(nn.Module):
         """The split graph's call of this piece. Not nn.Module's call path: a piece is reached
         only from its split graph's own forward, so no hook can be registered where it would
         run, and the two frames and hook checks per replay are host time on a decode."""
-        state = self._owner[0].state  # the running path's, set once per graph run
+        state = getattr(self._owner[0].local, "state", None)  # set once per graph run
         if state is None:
             return self.run(list(args))
         state.piece_runs += 1

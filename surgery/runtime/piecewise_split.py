@@ -36,6 +36,7 @@ per-path state (graphs, counts) is looked up from the path whose call is running
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -244,7 +245,7 @@ class PiecewiseGraph:
         largest = largest_activations(between, part, stable)
         self.split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
         self.state_for = state_for
-        self.state: PathPieces | None = None  # the running path's, while a run lasts
+        self.local = threading.local()  # .state: the running path's, while a run lasts
         self.static: list[StaticPiece] = []
         self.between_ops = 0  # ops a call runs between pieces
         self.split_ops_seen: list[str] = sorted({op_name(n) for n, b in between.items() if b})
@@ -287,9 +288,11 @@ class PiecewiseGraph:
 
     def __call__(self, *args: Any) -> Any:
         # The running path's state, looked up once per run for every piece (StaticPiece reads
-        # ``state``); put back after, so a nested run leaves the outer one its own.
-        prev, self.state = self.state, self.state_for()
+        # ``local.state``), per thread as state_for() is; put back after, so a nested run leaves
+        # the outer one its own.
+        local = self.local
+        prev, local.state = getattr(local, "state", None), self.state_for()
         try:
             return self.split(*args)
         finally:
-            self.state = prev
+            local.state = prev
