@@ -24,6 +24,12 @@ from tests.test_graphs import FakeCapturer, fake_cuda  # noqa: F401 (fake_cuda: 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
+
+@pytest.fixture
+def across(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule switched on (it is off by default: piece_cache.LIGHT_ACROSS_REGIONS)."""
+    monkeypatch.setattr(piece_cache, "LIGHT_ACROSS_REGIONS", True)
+
 TRUNK = ["camera_head.trunk.0", "camera_head.trunk.1"]
 GLOBAL = ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
 
@@ -37,7 +43,7 @@ GLOBAL = ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
 ])
 @pytest.mark.parametrize("paths", [1, 12])
 def test_one_region_is_the_per_graph_rule(pieces: list[tuple[str | None, int]],
-                                          paths: int) -> None:
+                                          paths: int, across: None) -> None:
     """With one piecewise group every weight and the total scale by its paths: the GPT-2
     stack's light pieces (and every other case of compile_start's) do not change."""
     work = PieceWork()
@@ -45,7 +51,7 @@ def test_one_region_is_the_per_graph_rule(pieces: list[tuple[str | None, int]],
     assert work.light(1, paths, pieces) == light_pieces(pieces)  # a second graph, same pieces
 
 
-def test_a_small_group_beside_a_large_one_has_light_pieces() -> None:
+def test_a_small_group_beside_a_large_one_has_light_pieces(across: None) -> None:
     """The trunk's graph alone: its piece before attention is 3 of 10 ops (not light). Beside
     24 global blocks running a 40-op piece and the same 7-op piece after attention, it is 12
     of about 1170 op-paths: light. The shared piece after attention is not (its code runs in
@@ -60,15 +66,18 @@ def test_a_small_group_beside_a_large_one_has_light_pieces() -> None:
     assert first.light(2, 4, trunk) == [False, False]
 
 
+@pytest.mark.parametrize("on", [pytest.param(True, id="rule-on"),
+                                pytest.param(False, id="default-off")])
 def test_the_trunks_piece_before_attention_compiles_light_beside_the_global_blocks(
-        fake_cuda: FakeCapturer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        fake_cuda: FakeCapturer, monkeypatch: pytest.MonkeyPatch, on: bool) -> None:  # noqa: F811
     """The tiny SDPA example's frame blocks and piecewise regions on an inductor plan under the
     stand-in capturer (the plan's backend stood in by the FX code itself): the frame blocks
     compile the two RopeBlock pieces with the plan's backend (shared_pieces), the global blocks
     share them, the trunk's piece after attention is theirs too (piece_restride), and the
     trunk's piece before attention, 3 ops on 2 paths beside 81 ops on 2 global paths, compiles
-    light. Outputs stay eager's."""
+    light; by default (the rule off) it compiles with the plan's backend. Outputs stay eager's."""
     monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # the tiny sizes: share only
+    monkeypatch.setattr(piece_cache, "LIGHT_ACROSS_REGIONS", on)
     full: list[int] = []
     light: list[int] = []
 
@@ -104,6 +113,10 @@ def test_the_trunks_piece_before_attention_compiles_light_beside_the_global_bloc
     trunk = [handle.report.by_path(p) for p in TRUNK]
     glob = [handle.report.by_path(p) for p in GLOBAL]
     assert all(r.status == "compiled" for r in (*trunk, *glob))
+    if not on:  # RopeBlock's two and the trunk's piece before attention, all full
+        assert len(full) == 3 and light == [], (full, light)
+        assert sum(r.pieces_light for r in (*trunk, *glob)) == 0
+        return
     assert len(full) == 2 and len(light) == 1, (full, light)  # RopeBlock's two; the trunk's
     assert light[0] < min(full)  # the trunk's small piece
     assert sum(r.pieces_light for r in trunk) == 1 and sum(r.pieces_light for r in glob) == 0

@@ -45,7 +45,11 @@ group's graphs register their pieces as (code, ops that do work) times the group
 blocks, which all run the code each step) and the copies of the code in the graph, a group
 counting once per code however many graphs it traces. A piece is also light when its code's
 work, summed over the groups that run it, is under ``LIGHT_PIECE_SHARE`` of all the work
-registered. For one piecewise region this is exactly the per-graph rule (every weight and the
+registered. **Off by default** (``LIGHT_ACROSS_REGIONS``): on the H200 (call 3 of session 5)
+the SDPA example's step read 28.6 ms a frame with it against 16.4 ms without (call 2), its one
+effect being the trunk's piece before attention on aot_eager; the CPU stand-in shows the same
+captures and replays either way, so the cause is not known, and a cold-start rule must not cost
+the step. For one piecewise region this is exactly the per-graph rule (every weight and the
 total scale by its paths), so the GPT-2 stack's pieces do not change. It knows only the groups
 traced before the graph: a group traced first is weighed against itself alone, and ordinary
 regions built from pieces (surgery.runtime.shared_pieces) are not counted, which can only make
@@ -194,6 +198,11 @@ class CompiledPiece:
         return out
 
 
+# Whether PieceWork's rule (a small share of all the apply's pieces) makes pieces light: off
+# until the H200 shows it keeps the step (see the module docstring).
+LIGHT_ACROSS_REGIONS = False
+
+
 @dataclass
 class PieceWork:
     """The piece work the apply's piecewise groups registered: (code, group) -> work a step."""
@@ -204,7 +213,10 @@ class PieceWork:
               ) -> list[bool]:
         """Register one graph of ``group`` (run by ``paths`` paths each step), its pieces as
         (canonical code or None, ops that do work), and say which are light across the apply
-        (see the module docstring). A piece without a code counts alone, by its position."""
+        (see the module docstring). A piece without a code counts alone, by its position.
+        With ``LIGHT_ACROSS_REGIONS`` off (the default) none is."""
+        if not LIGHT_ACROSS_REGIONS:
+            return [False] * len(pieces)
         keys: list[object] = [code if code is not None else ("unshared", group, i)
                               for i, (code, _) in enumerate(pieces)]
         ops = dict(zip(keys, (n for _, n in pieces), strict=True))
