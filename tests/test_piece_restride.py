@@ -173,9 +173,12 @@ def test_on_cuda_the_trunk_compiles_only_its_piece_before_attention_and_replays(
     trunk path replays; outputs and the trunk's cache within bf16 tolerance of eager's over 20
     frames (its full window compiles at 17)."""
     import surgery.runtime.compile_start as compile_start
+    import surgery.runtime.piece_cache as piece_cache
     from surgery.examples import tiny_sdpa
 
     monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # tiny sizes: the share rules
+    # the light piece across regions is opt-in since session 5's H200 call 3 (piece_cache)
+    monkeypatch.setattr(piece_cache, "LIGHT_ACROSS_REGIONS", True)
     torch.manual_seed(0)
     model = tiny_sdpa().cuda().eval()
     ref = copy.deepcopy(model)
