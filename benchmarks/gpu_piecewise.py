@@ -212,6 +212,14 @@ def _coverage(model: Any, step: Any, manifest: Any, out: dict[str, Any]) -> None
     w = watch_model(model, step, steps=2, timed_steps=3)
     cov = coverage(w.obs, region_paths(manifest))
     out.update(coverage=cov.get("covered_share"), remainder=cov.get("remainder", [])[:4])
+    # How the shares were timed: where a remainder has no code of its own (the SDPA example's
+    # "(model)" on the H200), whether the root's pass ran slower steps than its children's.
+    o = w.obs
+    root = [ms for _p, parent, ms in o.timed_calls if parent < 0]
+    kids = sum(ms for _p, parent, ms in o.timed_calls if parent == 0)
+    out["timing"] = {"settle_steps": o.settle_steps, "bare_steps_ms": o.bare_steps_ms,
+                     "pass_step_ms": o.pass_step_ms, "root_ms": round(sum(root), 4),
+                     "root_children_ms": round(kids, 4), "clock": o.clock}
 
 
 def _without_trunk(manifest: Any, names: Any) -> None:

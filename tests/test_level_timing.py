@@ -323,3 +323,16 @@ def test_the_step_settles_before_timing_so_a_stream_that_gets_faster_is_all_cove
     grow = observe(nn.Sequential(GrowingBlock()).eval(), lambda m: m(X), steps=1, timed_steps=3,
                    clock=read_clock)
     assert grow.settle_steps == 3, grow.settle_steps
+
+
+def test_the_observation_keeps_each_passs_step_and_every_bare_step() -> None:
+    """What a benchmark reads to tell a stream's drift from a span that is wrong: one fastest
+    step a timing pass (root's level first) and every bare step of the rounds."""
+    obs = observe(nn.Sequential(GrowingBlock()).eval(), lambda m: m(X), steps=1, timed_steps=3,
+                  clock=read_clock)
+    assert len(obs.pass_step_ms) == obs.timing_passes == 2
+    assert len(obs.bare_steps_ms) == 3
+    # the block grows 10 us a call: bare, root's pass, block's pass take turns, so the root's
+    # pass (timed first in its last round) ran a faster step than the block's
+    assert obs.pass_step_ms[0] < obs.pass_step_ms[1]
+    assert min(obs.bare_steps_ms) == pytest.approx(obs.bare_step_ms)

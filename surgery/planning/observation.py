@@ -68,6 +68,10 @@ class Observation:
     hook_pair_ms: float = 0.0
     timing_passes: int = 0  # one a nesting level (level_timing)
     settle_steps: int = 0  # bare steps run before timing, until the step stopped getting faster
+    # each timing pass's fastest step (ms), the root's level first, and every bare step's: where
+    # the spans of two levels disagree, whether their steps did too
+    pass_step_ms: list[float] = field(default_factory=list)
+    bare_steps_ms: list[float] = field(default_factory=list)
     # One step's calls, path, parent index, ms: the last watched step's call tree, each call's
     # fastest span over the timed steps.
     timed_calls: list[tuple[str, int, float]] = field(default_factory=list)

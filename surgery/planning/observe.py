@@ -382,5 +382,7 @@ def observe(model: nn.Module, step: Callable[[nn.Module], Any], *, steps: int = 
     obs.hook_ms_per_call = cost.inner_ms
     obs.hook_pair_ms = cost.pair_ms
     obs.timing_passes = len(lt.pass_step_ms)
+    obs.pass_step_ms = [round(ms, 4) for ms in lt.pass_step_ms]
+    obs.bare_steps_ms = [round(ms, 4) for ms in lt.bare_ms]
     obs.clock = "injected" if clock is not None else ("cuda-events" if cuda else "perf_counter")
     return obs
