@@ -23,7 +23,6 @@ time inside surgery/ frames, not the model's code they call), tokens identical t
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import json
 import os
@@ -31,13 +30,12 @@ import pstats
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_replay_overhead import NullCapturer  # noqa: E402 (a stand-in whose replay is free)
+from _stack_stand_in import gpt2_stack_on_stand_in  # noqa: E402
 
 
 def surgery_self_us(prof: cProfile.Profile) -> float:
@@ -57,33 +55,10 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     args = ap.parse_args()
     import torch
-    import transformers
 
-    from surgery import apply_manifest
-    from surgery.planning.plan import plan_module
-    from surgery.runtime import apply as apply_mod
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=2,
-                                  vocab_size=100, n_positions=256, bos_token_id=None,
-                                  eos_token_id=None)
-    base = transformers.GPT2LMHeadModel(cfg).eval()
-    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-
-    def generate(m: Any, n: int = args.tokens) -> Any:
-        with torch.no_grad():
-            return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
-    model = copy.deepcopy(base)
-    manifest = plan_module(model, source="cpu_stack_replay_host", piecewise=True).manifest
-    capturer = NullCapturer()
-    apply_mod._on_cuda = lambda module, model: True  # type: ignore[assignment]
-    apply_mod._capturer_for = lambda module: capturer  # type: ignore[assignment]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, manifest, warmup=lambda m: generate(m, 4), passes=2,
-                                overrides={"backend": "eager"})
+    base, model, handle, generate = gpt2_stack_on_stand_in(
+        layers=args.layers, width=args.width, tokens=args.tokens, backend="eager",
+        source="cpu_stack_replay_host")
     want = generate(base)
     identical = bool(torch.equal(generate(model), want))
     from surgery.runtime import piecewise_split
