@@ -168,17 +168,20 @@ def test_on_cuda_the_trunk_compiles_only_its_piece_before_attention_and_replays(
     """On CUDA with inductor and region capture (bf16 autocast, as the benchmark streams): the
     frame blocks build the RopeBlock's two pieces, the global blocks share them, the trunk's
     piece after attention is theirs too (restrided where its attention output's layout differs:
-    flash attention lays it out like q), so its piece before attention is its one compile
-    (inductor: PieceWork's light rule is off by default). Every
-    trunk path replays; outputs and the trunk's cache within bf16 tolerance of eager's over 20
-    frames (its full window compiles at 17)."""
+    flash attention lays it out like q), so its piece before attention is its one compile,
+    with inductor: PieceWork's light rule across regions is off by default
+    (piece_cache.LIGHT_ACROSS_REGIONS), and this test runs the defaults. Every trunk path
+    replays; outputs and the trunk's cache within bf16 tolerance of eager's over 20 frames (its
+    full window compiles at 17).
+
+    The rule switched on makes that piece light instead (the H200 showed it: pieces_light 1):
+    tests/test_piece_work.py covers both settings under the stand-in capturer."""
     import surgery.runtime.compile_start as compile_start
     import surgery.runtime.piece_cache as piece_cache
     from surgery.examples import tiny_sdpa
 
     monkeypatch.setattr(compile_start, "LIGHT_PIECE_ELEMENTS", 0)  # tiny sizes: the share rules
-    # the light piece across regions is opt-in since session 5's H200 call 3 (piece_cache)
-    monkeypatch.setattr(piece_cache, "LIGHT_ACROSS_REGIONS", True)
+    assert not piece_cache.LIGHT_ACROSS_REGIONS  # the default this test checks
     torch.manual_seed(0)
     model = tiny_sdpa().cuda().eval()
     ref = copy.deepcopy(model)
