@@ -27,11 +27,15 @@ Twin interference, and how each is ruled out:
   first), never the steady rounds.
 - the stream route: each twin gets its own route on its own instance ``forward``; the eager
   model has none.
-- one twin slowing the other (graph pools held, host caches): the first-applied twin is timed
-  ALONE before the second plan exists (``solo_ms``) and again in the rounds; the two figures
-  are printed side by side. ``--first evidence`` swaps which is applied first.
+- one twin slowing the other (graph pools held, host caches), or the evidence plan's watched
+  run leaving process-wide state behind: the first twin is planned, applied and timed ALONE
+  before the second plan is even planned (``solo_ms``), and again in the rounds; the two
+  figures are printed side by side. ``--first evidence`` swaps which goes first.
 
-Prints one JSON line per run with --model/--json, else a table. Per twin: median and p90 ms a
+After the rounds, one more generate() per side has each model call (the prefill, then each
+decode step) timed alone, synchronised around it by hooks removed after: the prefill, the
+first decode step and the median later one, so a per-generate() cost shows apart from the
+per-token one. Prints one JSON line with --json, else a table. Per side: median and p90 ms a
 call over every timed call, ms per new token, steady peak GPU memory above the weights (the
 peak of its own calls; both twins' graphs are held throughout), regions, compiled paths,
 graphs captured, replays, recompiles; the rounds' ratios and their median; whether every call's
@@ -102,6 +106,35 @@ def _counts(handle: Any) -> dict[str, Any]:
             "pieces_light": sum(r.pieces_light for r in recs)}
 
 
+def per_call(model: Any, unit: Any, sync: Any) -> dict[str, Any]:
+    """One more ``unit(model)`` with each model call (the prefill, then one a decode step)
+    timed alone: synchronised before and after, by hooks on the model removed after. Shows a
+    per-generate() cost (a prefill on a slow path, a first decode step that marks or binds a
+    new cache) that a median over whole calls blurs."""
+    times: list[float] = []
+    t0 = [0.0]
+
+    def pre(*_: Any) -> None:
+        sync()
+        t0[0] = time.perf_counter()
+
+    def post(*_: Any) -> None:
+        sync()
+        times.append((time.perf_counter() - t0[0]) * 1e3)
+
+    hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    try:
+        unit(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    if len(times) < 3:
+        raise RuntimeError(f"one generate() made {len(times)} model calls: expected a prefill "
+                           "and decode steps")
+    return {"prefill_ms": round(times[0], 3), "first_decode_ms": round(times[1], 3),
+            "decode_ms": round(statistics.median(times[2:]), 3), "model_calls": len(times)}
+
+
 def run_ab(name: str, rounds: int, calls: int, *, with_eager: bool, first: str,
            pin: bool) -> dict[str, Any]:
     import torch
@@ -122,22 +155,24 @@ def run_ab(name: str, rounds: int, calls: int, *, with_eager: bool, first: str,
     overrides = None if cuda else {"on_cpu": "compile", "backend": "aot_eager"}
     order = (first, *(p for p in PLANS if p != first))
     handles: dict[str, Any] = {}
-    manifests = {k: plan(k, twins[k], unit) for k in order}
-    for k, m in manifests.items():
-        out[f"{k}_regions"] = paths_per_kind(m)
     with torch.inference_mode():
         ref = unit(model).cpu()  # eager's tokens
-        for i, k in enumerate(order):
+    for i, k in enumerate(order):
+        t = time.perf_counter()
+        manifest = plan(k, twins[k], unit)  # outside inference_mode, as users plan
+        out[f"{k}_plan_s"] = round(time.perf_counter() - t, 2)
+        out[f"{k}_regions"] = paths_per_kind(manifest)
+        with torch.inference_mode():
             t = time.perf_counter()
-            handles[k] = apply_manifest(twins[k], manifests[k], warmup=unit,
-                                        overrides=overrides)
+            handles[k] = apply_manifest(twins[k], manifest, warmup=unit, overrides=overrides)
             unit(twins[k])  # one more full call: every signature seen
             sync()
             out[f"{k}_apply_s"] = round(time.perf_counter() - t, 2)
             out[f"{k}_applied"] = "first" if i == 0 else "second"
-            if i == 0:  # alone, before the other plan exists
+            if i == 0:  # alone: before the other plan is planned (its watch) or applied
                 out[f"{k}_solo_ms"] = round(statistics.median(
                     time_call(lambda m=twins[k]: unit(m), cuda=cuda)[1] for _ in range(calls)), 3)
+    with torch.inference_mode():
         sides = {**({"eager": model} if with_eager else {}), **twins}
         per_round: dict[str, list[float]] = {k: [] for k in sides}
         every: dict[str, list[float]] = {k: [] for k in sides}
@@ -164,6 +199,8 @@ def run_ab(name: str, rounds: int, calls: int, *, with_eager: bool, first: str,
                         (torch.cuda.max_memory_allocated() - base) / 2**30, 3))
                 per_round[k].append(statistics.median(ms))
                 every[k] += ms
+        for k, m in sides.items():
+            out[f"{k}_per_call"] = per_call(m, unit, sync)
     new = int(ref.shape[1]) - PROMPT
     for k in sides:
         lat = latency(every[k])
@@ -193,17 +230,21 @@ def table(r: dict[str, Any]) -> str:
     rows = [f"{r['model']}, {r['rounds']} rounds of {r['calls_per_round']} generate() calls, "
             f"{r['new_tokens']} new tokens each, pinned {r['pinned']}, {r['gpu']}",
             "| side | ms a call (median / p90) | ms per token | steady peak GiB | applied "
-            "(apply s) | solo ms | compiled | graphs captured / replays / recompiles (in "
-            "rounds) | regions |", "|---|---|---|---|---|---|---|---|---|"]
+            "(plan s / apply s) | solo ms | prefill / 1st decode / decode ms | compiled | "
+            "graphs captured / replays / recompiles (in rounds) | regions |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for k in sides:
         c = r.get(f"{k}_counts", {})
         counts = (f"{c['graphs_captured']} / {c['replays']} / {c['recompiles']} "
                   f"({c['recompiles_in_rounds']})" if c else "")
-        applied = (f"{r[f'{k}_applied']} ({r[f'{k}_apply_s']})" if f"{k}_applied" in r
-                   else "")
+        applied = (f"{r[f'{k}_applied']} ({r[f'{k}_plan_s']} / {r[f'{k}_apply_s']})"
+                   if f"{k}_applied" in r else "")
+        pc = r[f"{k}_per_call"]
         rows.append(f"| {k} | {r[f'{k}_ms']:.2f} / {r[f'{k}_p90_ms']:.2f} | "
                     f"{r[f'{k}_ms_per_token']:.3f} | {r[f'{k}_peak_gib']:.3f} | {applied} | "
-                    f"{r.get(f'{k}_solo_ms', '')} | {c.get('compiled', '')} | {counts} | "
+                    f"{r.get(f'{k}_solo_ms', '')} | {pc['prefill_ms']:.2f} / "
+                    f"{pc['first_decode_ms']:.2f} / {pc['decode_ms']:.2f} | "
+                    f"{c.get('compiled', '')} | {counts} | "
                     f"{r.get(f'{k}_regions', '')} |")
     verdict = "met" if r["evidence_not_slower"] else "NOT met"
     rows += ["", f"- round ratios names/evidence: {r['round_ratios']} (first in round: "
