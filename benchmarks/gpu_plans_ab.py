@@ -201,6 +201,7 @@ def run_ab(name: str, rounds: int, calls: int, *, with_eager: bool, first: str,
                         (torch.cuda.max_memory_allocated() - base) / 2**30, 3))
                 per_round[k].append(statistics.median(ms))
                 every[k] += ms
+        counts = {k: _counts(h) for k, h in handles.items()}  # the rounds' own, before the split
         for k, m in sides.items():
             out[f"{k}_per_call"] = per_call(m, unit, sync)
     new = int(ref.shape[1]) - PROMPT
@@ -211,8 +212,7 @@ def run_ab(name: str, rounds: int, calls: int, *, with_eager: bool, first: str,
         out[f"{k}_ms_per_token"] = round(lat["median_ms"] / max(new, 1), 3)
         out[f"{k}_peak_gib"] = peaks[k]
         out[f"{k}_round_ms"] = [round(x, 3) for x in per_round[k]]
-    for k, h in handles.items():
-        c = _counts(h)
+    for k, c in counts.items():
         c["recompiles_in_rounds"] = c["recompiles"] - before[k]
         out[f"{k}_counts"] = c
     ratios = [n / e for n, e in zip(per_round["names"], per_round["evidence"], strict=True)]
