@@ -1,10 +1,17 @@
 """The one-fate check (issue 18): every module of a model is a region, inside a region, or under
 ``[[left_out]]`` with a reason; never two of these, never none. The root is the model itself,
-never a region by contract, and is not counted."""
+never a region by contract, and is not counted.
+
+A reason must be the planner's own: when the evidence plan is kept, no module may carry the
+catch-all ``NAMES_LEFT_OUT`` (surgery.planning.compare), which ``complete_fates`` gives a module
+that neither plan judged. Without this, a module the evidence planner lost (the issue's "a fixed
+subtree that is not worth a graph vanishes") would still pass as left out, for a wrong reason."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from surgery.planning.compare import NAMES_LEFT_OUT
 
 
 def assert_one_fate(model: Any, manifest: Any) -> dict[str, str]:
@@ -25,4 +32,7 @@ def assert_one_fate(model: Any, manifest: Any) -> dict[str, str]:
         assert len(fates) == 1, f"{path}: {fates or 'no fate'}"
         if path in left:
             assert left[path].strip(), f"{path} is left out without a reason"
+    if (manifest.coverage or {}).get("chosen", "evidence") == "evidence":
+        lost = sorted(p for p, why in left.items() if why == NAMES_LEFT_OUT)
+        assert not lost, f"the evidence plan gave no reason of its own for {lost}"
     return left

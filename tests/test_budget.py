@@ -84,6 +84,46 @@ def test_each_handle_compiles_its_own_code_object() -> None:
     assert a.__code__ is not b.__code__ and a.__code__ is not Lin.forward.__code__
 
 
+class TwoWidths(nn.Module):
+    """One class (Lin) at width 8 in a trunk and at width 16 in a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.ModuleList(Lin(8) for _ in range(2))
+        self.head = nn.ModuleList(Lin(16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for t in self.trunk:
+            x = t(x)
+        x = torch.cat([x, x], -1)
+        for h in self.head:
+            x = h(x)
+        return x
+
+
+@torch._dynamo.config.patch(recompile_limit=2)
+def test_paths_of_two_weight_layouts_compile_a_copy_each() -> None:
+    """The runtime half of issue 18's budgets per weight layout: one region over a class used
+    at two widths compiles one copy for the trunk's paths and one for the head's, so each
+    dynamo cache holds only its own layout's signatures (2 token counts: 2 entries each, within
+    dynamo's limit of 2; one merged copy would hold all 4)."""
+    torch.manual_seed(0)
+    model = TwoWidths().eval()
+    xs = [torch.randn(n, 8) for n in (2, 3)]
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+    m = manifest_for(model, [Region("repeated_block", ["trunk.0", "trunk.1", "head.0", "head.1"])])
+    with torch.no_grad(), apply_manifest(model, m) as h:
+        for x, w in zip(xs, want, strict=True):
+            torch.testing.assert_close(model(x), w, **EXACT)
+        trunk, head = slot_of(model.trunk[0]), slot_of(model.head[0])
+        assert slot_of(model.trunk[1]).group is trunk.group
+        assert slot_of(model.head[1]).group is head.group
+        assert trunk.group is not head.group
+        assert code_entries(trunk) == 2 and code_entries(head) == 2
+        assert all(r.status == "compiled" for r in h.report), h.report.summary()
+
+
 def test_fresh_function_keeps_defaults_closure_and_super() -> None:
     class Base(nn.Module):
         def forward(self, x: torch.Tensor, scale: float = 2.0, *, shift: int = 1) -> torch.Tensor:

@@ -150,6 +150,21 @@ def test_a_step_that_runs_no_module_fails_loudly() -> None:
         _plan(elsewhere)
 
 
+def test_a_step_that_reaches_the_model_only_while_watched_fails_loudly() -> None:
+    """The other half of "the step never reached the model": it runs the model in the watched
+    steps, then returns a cached result, so no module call is ever timed. Without the check the
+    shares are all 0 and the plan is empty for a wrong reason ("under 0.1% of the step")."""
+    runs = [0]
+
+    def cached(m: nn.Module) -> None:
+        runs[0] += 1
+        if runs[0] <= 3:  # _plan watches 3 steps; every later call returns what it had
+            _no_grad_call(m)
+
+    with pytest.raises(ModelSourceError, match="could not be timed: no module call was timed"):
+        _plan(cached)
+
+
 def test_an_empty_plan_is_an_error_with_the_reasons() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     with pytest.raises(EmptyPlanError) as err:

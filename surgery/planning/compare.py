@@ -16,7 +16,10 @@ plan of the same model. So both are judged by the same run:
   inside regions is kept (the evidence side on a tie). Both figures go into ``[coverage]``
   (``covered_share``, ``names_covered_share``) and the CLI prints them side by side.
 
-Whichever is kept, every module still gets one fate (``complete_fates``).
+Whichever is kept, every module still gets one fate (``complete_fates``). A module neither
+plan gave a reason is left out as ``NAMES_LEFT_OUT``; when the evidence plan is kept, no module
+should need it (the evidence planner records every module it does not choose), so a test that
+finds that reason in an evidence plan has found a module the evidence planner lost.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from surgery.planning.evidence import (
     why_varies,
 )
 from surgery.planning.observation import Call, Observation
+
+__all__ = ["NAMES_LEFT_OUT", "best_of", "complete_fates"]
+
+# The fate of a module the names-only plan left out and the evidence plan never judged.
+NAMES_LEFT_OUT = "left out by the names-only plan"
 
 
 def _module(path: str, obs: Observation) -> str:
@@ -132,7 +140,7 @@ def best_of(obs: Observation, choice: Choice,
         left.update({p: lost for p in joined if p not in regions})
         left.update({p: r for p, r in over_rival.items() if p not in regions})
     left.update(unsafe)
-    fates = complete_fates(obs, regions, left, default="left out by the names-only plan")
+    fates = complete_fates(obs, regions, left, default=NAMES_LEFT_OUT)
     evidence = {}
     for p in regions:
         evidence[p] = choice.evidence.get(p) or evidence_of(judge(p, by_path[p], obs.calls),
