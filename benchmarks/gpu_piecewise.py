@@ -25,6 +25,11 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   as before v19s: no piece shared across input strides (runtime/piece_restride)
                   and no light piece across regions (piece_cache.PieceWork): what they cut (ask
                   for it with --arms)
+  sdpa_piecewise_light  sdpa_piecewise with the piecewise regions and the frame blocks (which
+                  share their pieces: runtime/shared_pieces) on aot_eager (`[region.compile]
+                  backend`), still captured as region graphs: the RopeBlock's and the trunk's
+                  pieces build no inductor code (about 5.5 s of the arm's cold start on the H200),
+                  and what the step loses without their fusion (an experiment: ask with --arms)
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
@@ -114,18 +119,21 @@ from _arms import (  # noqa: E402
     print_arm_result,
     time_call,
 )
+from _compile_timeline import CompileTimeline  # noqa: E402
 from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
-        "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "gpt2_eager", "gpt2_piecewise",
+        "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_light",
+        "gpt2_eager", "gpt2_piecewise",
         "gpt2_stack",
         "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
                                                   "sdpa_piecewise_lightfusion",
-                                                  "sdpa_piecewise_trunkfull", "gpt2_ab",
+                                                  "sdpa_piecewise_trunkfull",
+                                                  "sdpa_piecewise_light", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
                                                   "gpt2_ab_fused"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
@@ -263,7 +271,8 @@ def _watch_recompiles() -> _Recompiles:
 
 
 def _cold_breakdown(handle: Any, out: dict[str, Any],
-                    recompiles: _Recompiles | None = None) -> None:
+                    recompiles: _Recompiles | None = None,
+                    timeline: CompileTimeline | None = None) -> None:
     """Where the cold start went (this process compiled nothing before the arm)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -302,6 +311,8 @@ def _cold_breakdown(handle: Any, out: dict[str, Any],
     out["cold_breakdown"]["phases_s"] = {
         k: round(sum(v), 2) for k, v in sorted(compilation_time_metrics.items())
         if sum(v) >= 0.05}
+    if timeline is not None:  # each compile in order, and where its kernels were built
+        out["cold_breakdown"]["timeline"] = timeline.events()
 
 
 def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
@@ -340,6 +351,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
     handle = None
+    timeline: CompileTimeline | None = None
     recompiles = _watch_recompiles()
     if arm != "sdpa_eager":
         piecewise = arm.startswith("sdpa_piecewise")  # the piecewise arms
@@ -349,6 +361,10 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
         if arm == "sdpa_piecewise_lightfusion":  # the fusion blocks traced, not inductor-built
             for r in manifest.regions:
                 if r.module_class == "FusionBlock":
+                    r.compile = {**r.compile, "backend": "aot_eager"}
+        if arm == "sdpa_piecewise_light":  # the streaming blocks' pieces traced, not built
+            for r in manifest.regions:
+                if r.kind in ("piecewise", "frame_block"):
                     r.compile = {**r.compile, "backend": "aot_eager"}
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["regions"] = paths_per_kind(manifest)
@@ -360,6 +376,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
         t0 = time.perf_counter()  # cold start: compile and warm-up, not the watched run
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        timeline = CompileTimeline().start()
         handle = apply_manifest(model, manifest, warmup=step, overrides=_overrides(cuda))
     elif cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -372,7 +389,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
                 sync()
                 out["cold_s"] = round(time.perf_counter() - t0, 2)
                 if handle is not None:
-                    _cold_breakdown(handle, out, recompiles)
+                    _cold_breakdown(handle, out, recompiles, timeline)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             with ac:
@@ -667,6 +684,23 @@ def cold_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows + triggers)
 
 
+def timeline_table(results: list[dict[str, Any]]) -> str:
+    """Per arm: the kernels built in-process and in the pool, and its compiles in order (what,
+    when it started, seconds, kernels in-process / pooled) over 0.3 s (benchmarks/
+    _compile_timeline.py)."""
+    rows = ["| arm | kernels in-process / pooled | compiles over 0.3 s: what @start s: "
+            "seconds (in-process / pooled) |", "|---|---|---|"]
+    for r in results:
+        t = (r.get("cold_breakdown") or {}).get("timeline")
+        if not t:
+            continue
+        each = "; ".join(f"{c['what']} @{c['at_s']}: {c['s']} ({c['in_process']}/{c['pooled']})"
+                         for c in t["compiles"] if c.get("s", 0) >= 0.3)
+        missing = f" (not observed: {', '.join(t['missing'])})" if t["missing"] else ""
+        rows.append(f"| {r['arm']} | {t['in_process']} / {t['pooled']}{missing} | {each} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", choices=ARMS)
@@ -709,6 +743,7 @@ def main() -> None:
     results = run_all(arms, args.frames, args.timeout, ab)
     print(table(results))
     print(cold_table(results))
+    print(timeline_table(results))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
