@@ -570,6 +570,10 @@ def test_an_evidence_plan_on_the_gpu_times_with_events_and_its_regions_replay() 
     m = plan_from_step(model, step, steps=3, timed_steps=3)
     assert m.coverage["clock"] == "cuda-events" and m.coverage["covered_share"] > 0
     assert m.coverage["covered_share"] >= m.coverage["names_covered_share"]
+    # issue 20: on CUDA the plan reads the bare steps' peak and estimates the peak with graphs
+    cov = m.coverage
+    assert cov["eager_peak_bytes"] > 0 and cov["graph_bytes"] > 0, cov
+    assert cov["peak_estimate_bytes"] == cov["eager_peak_bytes"] + cov["graph_bytes"], cov
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnplannedSignatureWarning)
         with torch.inference_mode():
