@@ -159,3 +159,39 @@ def test_each_driver_plans_a_real_model_with_one_fate_each(case: str) -> None:
         dyn = [r for r in manifest.regions if r.dynamic]
         assert dyn and all(0 in dims for r in dyn for dims in r.dynamic_dims.values()), \
             [(r.paths, r.dynamic_dims) for r in manifest.regions]
+
+
+@pytest.mark.parametrize("planned, deployed", [
+    pytest.param(_vit_forward, None, id="no_grad-then-inference_mode",
+                 marks=_needs("timm")),
+    pytest.param(_vit_batches, (3, 7, 9), id="varying-batch-then-unseen-sizes",
+                 marks=_needs("timm")),
+])
+def test_a_timm_plan_deploys_as_planned_without_a_warning(planned: Any, deployed: Any) -> None:
+    """As users deploy: planned under no_grad, run under inference_mode (one signature: no
+    UnplannedSignatureWarning, one compile each); planned over a varying batch, run at batch
+    sizes never watched (a dynamic region: every size in the batch dim is planned)."""
+    import warnings
+
+    from surgery import apply_manifest
+    from surgery.runtime.signatures import UnplannedSignatureWarning
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = FACTORIES["timm_vit"]().eval()
+    manifest = plan_from_step(model, planned, steps=2, timed_steps=0)
+    handle = apply_manifest(model, manifest, overrides={"backend": "eager", "on_cpu": "compile"})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnplannedSignatureWarning)
+            with torch.inference_mode():
+                for b in deployed or (2, 2, 2):
+                    model(_vit_images(model, b))
+        recs = [r for r in handle.report if r.status == "compiled"]
+        assert recs, handle.report.summary()
+        if deployed is None:
+            assert all(r.signatures == 1 for r in recs), handle.report.summary()
+        else:
+            assert any(r.signature_mode == "dynamic" for r in recs), handle.report.summary()
+    finally:
+        handle.restore()
