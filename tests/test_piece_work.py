@@ -121,3 +121,50 @@ def test_the_trunks_piece_before_attention_compiles_light_beside_the_global_bloc
     assert light[0] < min(full)  # the trunk's small piece
     assert sum(r.pieces_light for r in trunk) == 1 and sum(r.pieces_light for r in glob) == 0
     assert sum(r.pieces_restrided for r in trunk) == 1
+
+
+def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
+        fake_cuda: FakeCapturer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """gpu_piecewise's arm ``sdpa_piecewise_light``: an inductor plan whose piecewise regions and
+    frame blocks say ``backend = "aot_eager"`` under region capture (the stand-in capturer). Every
+    piece compiles with aot_eager, never the plan's inductor; the frame blocks and the global
+    blocks still share one compile per piece; every path replays; outputs stay eager's over 20
+    frames."""
+    plan_built: list[int] = []
+    real = PiecewiseGroup._compile_piece
+
+    def compile_piece(self: PiecewiseGroup, gm: fx.GraphModule, example: list[Any]) -> Any:
+        plan_built.append(self.plan.backend == "inductor")
+        return real(self, gm, example)
+
+    monkeypatch.setattr(PiecewiseGroup, "_compile_piece", compile_piece)
+    from surgery.examples import tiny_sdpa
+
+    torch.manual_seed(0)
+    model = tiny_sdpa().eval()
+    ref = copy.deepcopy(model)
+    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
+    for r in manifest.regions:
+        r.compile = {**r.compile, "backend": "aot_eager"}
+    manifest.compile = {**manifest.compile, "backend": "inductor", "on_cpu": "compile"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for s in range(20):  # the trunk's full window compiles at 17
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k])
+    recs = [handle.report.by_path(p) for p in (*TRUNK, *GLOBAL)]
+    assert all(r.status == "compiled" for r in recs), [r.reason for r in recs]
+    assert plan_built == [False, False, False], plan_built  # RopeBlock's two, the trunk's one
+    frames = [handle.report.by_path(f"aggregator.frame_blocks.{i}") for i in (0, 1)]
+    assert sum(r.pieces_compiled for r in frames) == 2  # the frame blocks build them
+    # the trunk's first path builds its piece before attention and takes the RopeBlock's after
+    # it (restrided); the global blocks take both of the frame blocks' pieces
+    assert sum(r.pieces_compiled for r in recs) == 1
+    assert handle.report.by_path(TRUNK[0]).pieces_restrided > 0
+    assert handle.report.by_path(GLOBAL[0]).pieces_shared > 0
+    assert all(r.cuda_graph_replays > 0 for r in (*recs, *frames))
