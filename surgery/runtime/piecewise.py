@@ -85,10 +85,11 @@ from surgery.runtime.piecewise_split import (
     PathPieces,
     PiecewiseGraph,
 )
-from surgery.runtime.piecewise_stack import fallback_of, standby_reason
+from surgery.runtime.piecewise_stack import fallback_of, standby_reason, why_not_piecewise
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper, first_line
+from surgery.runtime.tree_guards import compile_watched, watch_for
 
 _STABLE_CALLS = 2  # calls without a compile after which a path stops marking its cache
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
@@ -155,6 +156,8 @@ class PiecewiseSlot:
             return self._fail(exc, args, kwargs)
         if rest:  # outside the try: the model's own error is not a compile failure
             return self._rest(args, kwargs, empty)
+        if self.group.watch is not None and not self.group.watch.unchanged():  # tree_guards
+            self.group.full_guards()
         compiles, runs = rec.compiles, rec.compiled_runs
         prev, _ACTIVE.slot = _active(), self
         try:
@@ -285,19 +288,6 @@ class PiecewiseSlot:
             self.record.notes.append(message)
 
 
-def why_not_piecewise(exc: BaseException) -> str:
-    """The reason a block cannot be compiled piecewise, from what dynamo raised."""
-    text, name = first_line(exc), type(exc).__name__
-    if "ConstraintViolation" in name or "Constraints violated" in text or \
-            "specialized" in text.lower():
-        return f"a branch on the cache length (dynamo specialized the marked dim: {text})"
-    if isinstance(exc, torch._dynamo.exc.Unsupported) or "graph break" in text.lower():
-        return f"a graph break inside the block ({name}: {text})"
-    if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
-        return f"recompiled past dynamo's limit as the cache changed ({text})"
-    return f"failed to compile piecewise ({name}: {text})"
-
-
 class PiecewiseGroup:
     """One compiled copy of a block's forward, shared by the region's identical paths.
 
@@ -315,8 +305,17 @@ class PiecewiseGroup:
         # compiled pieces, shared with every group of this apply that compiles the same way
         self.pieces = pieces if pieces is not None else PieceCache(self._compile_piece)
         self.split_s = 0.0  # seconds spent splitting the graphs dynamo handed over
-        self.compiled = torch.compile(fresh_function(target), backend=self._backend,
-                                      fullgraph=True, dynamic=None)
+        self.target, self.watch = target, watch_for(  # one path: surgery.runtime.tree_guards
+            target, bound, lambda: self.slots[0].module if len(self.slots) == 1 else None)
+        self.compiled = compile_watched(fresh_function(target), self._backend, self.watch)
+
+    def full_guards(self) -> None:
+        """The watched module tree changed: compile afresh with dynamo's full guards."""
+        why, self.watch = self.watch.end() if self.watch else "", None
+        self.compiled = compile_watched(fresh_function(self.target), self._backend, None)
+        for s in self.slots:  # the fresh compile marks the cache again
+            s.marking = 0
+            s.record.notes.append(why)
 
     def limit(self) -> int:
         """Dynamo's recompile limit while paths compile: room for each path's budget."""

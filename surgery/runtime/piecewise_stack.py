@@ -32,9 +32,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from surgery.errors import RegionError
 from surgery.formats.manifest import PIECEWISE_FALLBACK_FOR, PIECEWISE_KIND, Region
 from surgery.runtime.report import ApplyReport
+from surgery.runtime.slots import first_line
 
 
 def fallback_of(region: Region) -> str | None:
@@ -103,3 +106,16 @@ def settle_standby(slots: Iterable[Any], report: ApplyReport) -> set[int]:
             f"piecewise stack {stack!r} ran {status} in warm-up: {idle.get(stack, 0)} block "
             f"path(s) stand by for it, {woke.get(stack, 0)} ran piecewise in its place")
     return out
+
+
+def why_not_piecewise(exc: BaseException) -> str:
+    """The reason a block cannot be compiled piecewise, from what dynamo raised."""
+    text, name = first_line(exc), type(exc).__name__
+    if "ConstraintViolation" in name or "Constraints violated" in text or \
+            "specialized" in text.lower():
+        return f"a branch on the cache length (dynamo specialized the marked dim: {text})"
+    if isinstance(exc, torch._dynamo.exc.Unsupported) or "graph break" in text.lower():
+        return f"a graph break inside the block ({name}: {text})"
+    if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
+        return f"recompiled past dynamo's limit as the cache changed ({text})"
+    return f"failed to compile piecewise ({name}: {text})"

@@ -1,0 +1,173 @@
+"""surgery.runtime.tree_guards: a one-path piecewise stack drops dynamo's guards on its module
+tree and watches the dicts they read; any change to what they read goes back to full guards."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import surgery.runtime.tree_guards as tree_guards
+from surgery.runtime.apply import apply_manifest
+from tests.test_piecewise_stack import ON_CPU, generate, stack_plan, tiny_gpt2
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.skipif(tree_guards.DICT_VERSION is None,
+                                 reason="this Python's dicts do not move their version tag")]
+
+NEW = 8
+
+
+def applied(watch: bool = True) -> tuple[nn.Module, nn.Module, Any]:
+    """(tiny GPT-2 with its stack region applied on the CPU, an eager copy, the handle)."""
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    ids = ids_of(1)
+    old, tree_guards.WATCH_TREES = tree_guards.WATCH_TREES, watch
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = apply_manifest(model, stack_plan(), overrides=ON_CPU, passes=1,
+                                    warmup=lambda m: generate(m, ids, 2))
+    finally:
+        tree_guards.WATCH_TREES = old
+    return model, ref, handle
+
+
+def ids_of(batch: int) -> torch.Tensor:
+    return torch.randint(0, 100, (batch, 8), generator=torch.Generator().manual_seed(batch))
+
+
+def group_of(model: nn.Module) -> Any:
+    slot = model.transformer.__dict__["forward"].__closure__[1].cell_contents
+    return slot.group
+
+
+def guard_lines(group: Any) -> int:
+    code = group.compiled._torchdynamo_orig_callable.__code__
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    return sum(len(str(e.guard_manager).splitlines()) for e in entries)
+
+
+def same_tokens(model: nn.Module, ref: nn.Module, batch: int = 1) -> None:
+    with torch.no_grad():
+        got, want = generate(model, ids_of(batch), NEW), generate(ref, ids_of(batch), NEW)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_the_stack_drops_its_module_tree_guards_and_keeps_eagers_tokens() -> None:
+    model, ref, handle = applied()
+    full, fref, _ = applied(watch=False)
+    same_tokens(model, ref)
+    same_tokens(full, fref)
+    watch = group_of(model).watch
+    assert watch is not None and group_of(full).watch is None
+    assert watch.dropped > 100 and watch.tensors and watch.dicts  # 2 layers: ~220 dropped
+    # every parameter of the stack is in the one tensor check, none of the cache's tensors
+    assert {id(p) for p in model.transformer.parameters()} == {id(t) for t in watch.tensors}
+    assert guard_lines(group_of(model)) < 0.6 * guard_lines(group_of(full))
+    rec = handle.report.by_path("transformer")
+    assert rec.status == "compiled" and rec.compiles == 1, rec.reason
+
+
+def test_a_round_trip_through_train_keeps_the_watch_without_a_compile() -> None:
+    model, ref, handle = applied()
+    rec = handle.report.by_path("transformer")
+    compiles = rec.compiles
+    model.train()
+    model.eval()  # the flags stored again: the dicts' tags moved, their items did not
+    same_tokens(model, ref)
+    assert group_of(model).watch is not None and rec.compiles == compiles
+
+
+def test_inference_mode_after_no_grad_adds_a_tensor_check_not_a_full_guard() -> None:
+    model, ref, _ = applied()
+    with torch.inference_mode():
+        got, want = generate(model, ids_of(1), NEW), generate(ref, ids_of(1), NEW)
+    assert torch.equal(got.sequences, want.sequences)
+    watch = group_of(model).watch
+    assert watch is not None and len(watch.checks) == 2
+
+
+def _set_eps(model: nn.Module) -> None:
+    model.transformer.ln_f.eps = 0.5  # read by the graph as a constant (EQUALS_MATCH dropped)
+
+
+def _swap_act(model: nn.Module) -> None:
+    model.transformer.h[1].mlp.act = nn.ReLU()  # a submodule replaced (TYPE_MATCH dropped)
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param(_set_eps, id="attribute"),
+    pytest.param(_swap_act, id="submodule"),
+    pytest.param(lambda m: m.transformer.ln_f.weight.requires_grad_(False),
+                 id="parameter-metadata"),
+])
+def test_a_change_to_what_a_dropped_guard_read_compiles_again_with_full_guards(
+        change: Any) -> None:
+    """Each change here would make dynamo's dropped guard fail (a recompile): the watch sees
+    it before the call, and the stack compiles again with full guards; tokens stay eager's
+    with the same change."""
+    model, ref, handle = applied()
+    same_tokens(model, ref)
+    change(model)
+    change(ref)
+    rec = handle.report.by_path("transformer")
+    compiles = rec.compiles
+    same_tokens(model, ref)
+    assert group_of(model).watch is None
+    assert rec.compiles == compiles + 1
+    assert any("compiled again with dynamo's full guards" in n for n in rec.notes)
+    same_tokens(model, ref, batch=2)  # from then on dynamo's own guards recompile as needed
+
+
+def test_a_weight_moved_in_place_with_the_same_metadata_keeps_the_watch() -> None:
+    model, ref, handle = applied()
+    for m in (model, ref):
+        with torch.no_grad():
+            m.transformer.ln_f.weight.data = m.transformer.ln_f.weight.data * 2
+    rec = handle.report.by_path("transformer")
+    compiles = rec.compiles
+    same_tokens(model, ref)
+    assert group_of(model).watch is not None and rec.compiles == compiles
+
+
+def test_a_group_of_several_paths_keeps_every_guard() -> None:
+    """Blocks of one class share one compiled copy: a guard on one block's tree would not
+    hold for another, so nothing is dropped there."""
+    watch = tree_guards.TreeWatch(lambda: None, "self")
+    entries = [type("E", (), {"guard_type": "TYPE_MATCH", "name": "self._modules['a']"})()]
+    assert watch.filter(entries) == [True] and watch.dropped == 0
+
+
+@pytest.mark.parametrize("name, covered", [
+    pytest.param("self._modules['lin'].in_features", True, id="int-attribute"),
+    pytest.param("self._modules['lin']", True, id="submodule"),
+    pytest.param("self.training", True, id="flag"),
+    pytest.param("self._modules['lin'].forward", False, id="class-method"),
+    pytest.param("self.items", False, id="list"),
+    pytest.param("type(self._modules['lin'])", False, id="not-a-chain"),
+    pytest.param("self._modules['lin'].__dict__", False, id="dunder"),
+    pytest.param("kwargs['x']", False, id="an-argument"),
+])
+def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
+        name: str, covered: bool) -> None:
+    root = nn.Module()
+    root.lin = nn.Linear(2, 2)
+    root.items = [1, 2]
+    watch = tree_guards.TreeWatch(lambda: root, "self")
+    entry = type("E", (), {"guard_type": "EQUALS_MATCH", "name": name})()
+    assert watch.filter([entry]) == [not covered]
+    if covered:
+        assert watch.unchanged()
+        root.lin.in_features = 2  # stored again, the same value: not a change
+        root.training = True
+        assert watch.unchanged()
+        root.extra = 1  # a new attribute where the chain starts: `self.extra` now resolves
+        assert not watch.unchanged()
