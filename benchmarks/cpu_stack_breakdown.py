@@ -29,8 +29,14 @@ the H200 where the GPU runs behind the host. The timers cost ~3 us a call (a thr
 the script reports the untimed ms a token too, and the Python and C calls a decode token makes
 (``calls_per_token``, by ``sys.setprofile``): a count, which the host's load does not move.
 
+``--guards-twin`` builds the stack a second time with surgery.runtime.tree_guards off (dynamo's
+full guards on the module tree, as before it) and lets the three models take turns: the
+stack's ms a token against its full-guard twin's, and, for both, dynamo's guard check timed in
+the token's real run (the frame's guard manager checked on the call's own arguments just before
+the call, thread CPU time) plus the watch's own check.
+
     python benchmarks/cpu_stack_breakdown.py [--layers 12] [--width 64] [--tokens 32]
-        [--rounds 5] [--arms stack,eager]
+        [--rounds 5] [--guards-twin]
 """
 
 from __future__ import annotations
@@ -110,6 +116,49 @@ def calls_per_token(generate: Callable[[int], Any], tokens: int) -> dict[str, fl
             "python_in_surgery": round(per[2], 1)}
 
 
+def full_guard_twin(args: argparse.Namespace) -> Any:
+    """The same stack applied with tree_guards off: dynamo's full guards on its module tree."""
+    import surgery.runtime.tree_guards as tree_guards
+
+    tree_guards.WATCH_TREES = False
+    try:
+        return gpt2_stack_on_stand_in(layers=args.layers, width=args.width, tokens=args.tokens,
+                                      backend=args.backend, source="cpu_stack_breakdown")[1]
+    finally:
+        tree_guards.WATCH_TREES = True
+
+
+def time_guards(into: dict[str, list[float]], models: dict[str, Any]) -> Callable[[], None]:
+    """Time, in each stack call of the runs, dynamo's guard check of the stack's frame on the
+    call's own arguments (its one cache entry) and the watch's check; returns the undo."""
+    import torch
+
+    from surgery.runtime import piecewise
+
+    label = {id(models[k].transformer.__dict__["forward"].__closure__[1].cell_contents.group): k
+             for k in ("stack", "full")}
+    inner = piecewise.PiecewiseGroup.call
+
+    def call(group: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fn = group.compiled._torchdynamo_orig_callable
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+        frame = {"self": module, "args": args, "kwargs": kwargs}
+        frame.update(zip(fn.__code__.co_freevars,
+                         (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+        t = CLOCK()
+        ok = any(e.guard_manager.check(frame) for e in entries)
+        into[label[id(group)]].append((CLOCK() - t) * 1e6)
+        if group.watch is not None:
+            t = CLOCK()
+            ok = group.watch.unchanged() and ok
+            into["watch"].append((CLOCK() - t) * 1e6)
+        assert ok, "a stack call's guards failed in a steady decode"
+        return inner(group, module, args, kwargs)
+
+    piecewise.PiecewiseGroup.call = call  # type: ignore[method-assign]
+    return lambda: setattr(piecewise.PiecewiseGroup, "call", inner)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -118,6 +167,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     # aot_eager: the backend of the H200's light pieces (compile_start), which returns a list
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "eager"))
+    ap.add_argument("--guards-twin", action="store_true",
+                    help="also the stack with tree_guards off, taking turns (see above)")
     args = ap.parse_args()
     import torch
 
@@ -132,15 +183,26 @@ def main() -> None:
     compiled = [r.path for r in handle.report if r.status == "compiled"]
     replays0 = sum(r.cuda_graph_replays for r in handle.report)
 
-    # untimed first, the two models taking turns (the host is shared: compare in one run)
-    ms: dict[str, list[float]] = {"stack": [], "eager": []}
+    # untimed first, the models taking turns (the host is shared: compare in one run)
+    models = {"stack": model, "eager": base}
+    if args.guards_twin:
+        models["full"] = full_guard_twin(args)
+        identical = identical and bool(torch.equal(generate(models["full"]), want))
+    ms: dict[str, list[float]] = {k: [] for k in models}
+    guards: dict[str, list[float]] = {"stack": [], "full": [], "watch": []}
+    names = list(models)
     for i in range(args.rounds):
-        for arm in ("stack", "eager") if i % 2 == 0 else ("eager", "stack"):
-            m = model if arm == "stack" else base
+        for arm in names[i % len(names):] + names[:i % len(names)]:
             t = CLOCK()
-            generate(m)
+            generate(models[arm])
             ms[arm].append((CLOCK() - t) * 1e3 / args.tokens)
     replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds
+    if args.guards_twin:  # the guard checks timed in runs of their own (they double them)
+        undo = time_guards(guards, models)
+        for i in range(args.rounds):
+            for arm in ("stack", "full") if i % 2 == 0 else ("full", "stack"):
+                generate(models[arm])
+        undo()
 
     patches: list[tuple[Any, str, Any]] = [
         (type(model), "forward", type(model).forward),
@@ -175,6 +237,13 @@ def main() -> None:
            "eager_ms_per_token": round(statistics.median(ms["eager"]), 3),
            "eager_over_stack": round(statistics.median(ms["eager"])
                                      / statistics.median(ms["stack"]), 2),
+           **({"full_guards_ms_per_token": round(statistics.median(ms["full"]), 3),
+               "stack_over_full": round(statistics.median(ms["stack"])
+                                        / statistics.median(ms["full"]), 3),
+               "round_stack_over_full": [round(a / b, 3) for a, b in
+                                         zip(ms["stack"], ms["full"], strict=True)],
+               "guard_check_us": {k: round(statistics.median(v), 1) for k, v in guards.items()
+                                  if v}} if args.guards_twin else {}),
            "timed_decode_ms_per_token": round(inclusive["generate"] / 1e3, 3),
            "piece_replays_per_token": round(replays / args.tokens, 2),
            "us_per_token": {k: round(v, 1) for k, v in own.items()},

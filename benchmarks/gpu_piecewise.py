@@ -43,6 +43,11 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   middle piece with inductor, the others light by share): what the rule saves
                   in cold start, and whether it costs speed (ask for it with --arms)
   gpt2_ab_fused   gpt2_ab with the size rule off, the same way (ask for it with --arms)
+  gpt2_ab_guards  gpt2_ab with a third model taking turns: the stack applied with
+                  surgery.runtime.tree_guards off (WATCH_TREES False: dynamo's full guards on
+                  the module tree, as before tree_guards); ``full_ms_per_token`` and
+                  ``watched_over_full`` (the stack's median over the full-guard stack's), each
+                  round's ratio, tokens identical for all three (ask for it with --arms)
   gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
                   ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
                   the eager model, the stack plan applied to the other; both warmed at full
@@ -127,7 +132,7 @@ ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_light",
         "gpt2_eager", "gpt2_piecewise",
         "gpt2_stack",
-        "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused")
+        "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
@@ -135,7 +140,7 @@ DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_trunkfull",
                                                   "sdpa_piecewise_light", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
-                                                  "gpt2_ab_fused"))
+                                                  "gpt2_ab_fused", "gpt2_ab_guards"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -552,12 +557,25 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
     _cold_breakdown(handle, out, recompiles)
     first["eager"] = time_call(lambda: _generate(eager, ids), cuda=cuda)[0]  # warm eager too
     models = {"eager": eager, "stack": stack}
-    times: dict[str, list[float]] = {"eager": [], "stack": []}
-    peaks = {"eager": 0.0, "stack": 0.0}
-    identical = bool(torch.equal(first["eager"], first["stack"]))
+    if arm == "gpt2_ab_guards":  # the stack again, with dynamo's full guards on its tree
+        import surgery.runtime.tree_guards as tree_guards
+
+        models["full"] = copy.deepcopy(eager)
+        tree_guards.WATCH_TREES = False
+        try:
+            _apply_gpt2(models["full"], manifest, ids, cuda)
+        finally:
+            tree_guards.WATCH_TREES = True
+        first["full"] = time_call(lambda: _generate(models["full"], ids), cuda=cuda)[0]
+    times: dict[str, list[float]] = {k: [] for k in models}
+    peaks = dict.fromkeys(models, 0.0)
+    identical = all(bool(torch.equal(first["eager"], first[k])) for k in models)
     order = []
     for r in range(rounds):
         pair = ("eager", "stack") if r % 2 == 0 else ("stack", "eager")
+        if "full" in models:  # three models: each goes first in turn
+            names = list(models)
+            pair = tuple(names[(r + i) % 3] for i in range(3))
         order.append(pair[0])
         got = {}
         for k in pair:
@@ -567,7 +585,7 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
             times[k].append(ms / NEW_TOKENS)
             peaks[k] = max(peaks[k], _peak_gib(base, cuda))
         identical = identical and bool(torch.equal(got["eager"], first["eager"])) \
-            and bool(torch.equal(got["stack"], got["eager"]))
+            and all(bool(torch.equal(got[k], got["eager"])) for k in models)
     for k, ts in times.items():
         lat = latency(ts)
         out[f"{k}_ms_per_token"] = lat["median_ms"]
@@ -581,6 +599,15 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
                stack_round_ms_per_token=[round(t, 3) for t in times["stack"]],
                new_tokens=int(first["stack"].shape[1] - ids.shape[1]),
                tokens_identical=identical, weights_gib=round(base / 2**30, 3), **_env(cuda))
+    if "full" in models:
+        out.update(watched_over_full=round(out["stack_ms_per_token"]
+                                           / out["full_ms_per_token"], 3),
+                   full_round_ms_per_token=[round(t, 3) for t in times["full"]],
+                   round_watched_over_full=[round(w / f, 3) for w, f in
+                                            zip(times["stack"], times["full"], strict=True)])
+        slot = stack.transformer.__dict__["forward"].__closure__[1].cell_contents
+        watch = slot.group.watch
+        out["guards_dropped"] = watch.dropped if watch is not None else 0
     _piecewise_counts(handle, out)
     return out
 
@@ -655,6 +682,14 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
             f"{r['eager_steady_peak_gib']:.2f} / {r['stack_steady_peak_gib']:.2f} | "
             f"{r['pieces_captured']} / {r['piece_replays']} / {r['ops_between_per_call']} / "
             f"{r['piecewise_recompiles']} | {r['tokens_identical']} | {r['pinned']} |")
+    for r in results:
+        if "full_ms_per_token" in r:
+            rows.append(
+                f"\n{r['arm']}: the stack with full guards {r['full_ms_per_token']:.3f} / "
+                f"{r['full_p90_ms_per_token']:.3f} ms a token; watched / full "
+                f"**{r['watched_over_full']:.3f}** (rounds {r['round_watched_over_full']}); "
+                f"eager / full {r['eager_ms_per_token'] / r['full_ms_per_token']:.2f}x; "
+                f"guards dropped {r['guards_dropped']}")
     return rows
 
 
