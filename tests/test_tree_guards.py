@@ -146,28 +146,66 @@ def test_a_group_of_several_paths_keeps_every_guard() -> None:
     assert watch.filter(entries) == [True] and watch.dropped == 0
 
 
-@pytest.mark.parametrize("name, covered", [
-    pytest.param("self._modules['lin'].in_features", True, id="int-attribute"),
-    pytest.param("self._modules['lin']", True, id="submodule"),
-    pytest.param("self.training", True, id="flag"),
-    pytest.param("self._modules['lin'].forward", False, id="class-method"),
-    pytest.param("self.items", False, id="list"),
-    pytest.param("type(self._modules['lin'])", False, id="not-a-chain"),
-    pytest.param("self._modules['lin'].__dict__", False, id="dunder"),
-    pytest.param("kwargs['x']", False, id="an-argument"),
+def _linear_wider(root: nn.Module) -> None:
+    root.lin.in_features = 3
+
+
+def _linear_swapped(root: nn.Module) -> None:
+    root.lin = nn.Linear(2, 2)
+
+
+def _flag_flipped(root: nn.Module) -> None:
+    root.training = False
+
+
+def _attribute_added(root: nn.Module) -> None:
+    root.extra = 1
+
+
+def _global_rebound(root: nn.Module) -> None:
+    SCOPE["helper"] = nn.Linear(1, 1)
+
+
+SCOPE: dict[str, Any] = {}
+
+
+@pytest.mark.parametrize("guard, name, change", [
+    pytest.param("EQUALS_MATCH", "self._modules['lin'].in_features", _linear_wider,
+                 id="int-attribute"),
+    pytest.param("TYPE_MATCH", "self._modules['lin']", _linear_swapped, id="submodule"),
+    pytest.param("EQUALS_MATCH", "self.training", _flag_flipped, id="flag"),
+    pytest.param("NOT_PRESENT_IN_GENERIC_DICT", "self", _attribute_added,
+                 id="a-key-not-present"),
+    pytest.param("TYPE_MATCH", "G['helper']._modules['inner']", _global_rebound,
+                 id="global-chain"),
+    pytest.param("TENSOR_MATCH", "self._modules['lin']._parameters['weight']",
+                 lambda r: r.lin.weight.requires_grad_(False), id="parameter"),
+    pytest.param("EQUALS_MATCH", "self._modules['lin'].forward", None, id="class-method"),
+    pytest.param("EQUALS_MATCH", "self.items", None, id="list"),
+    pytest.param("TYPE_MATCH", "type(self._modules['lin'])", None, id="not-a-chain"),
+    pytest.param("EQUALS_MATCH", "self._modules['lin'].__dict__", None, id="dunder"),
+    pytest.param("EQUALS_MATCH", "kwargs['x']", None, id="an-argument"),
+    pytest.param("HASATTR", "self._modules['lin']", None, id="a-kind-not-covered"),
+    pytest.param("NOT_PRESENT_IN_GENERIC_DICT", "G['torch']", None, id="a-python-module"),
 ])
 def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
-        name: str, covered: bool) -> None:
+        guard: str, name: str, change: Any) -> None:
+    """A covered guard's watch holds while what it read is stored again unchanged, and fails
+    once its chain or value changes; an uncovered one is kept (the filter says True)."""
     root = nn.Module()
     root.lin = nn.Linear(2, 2)
     root.items = [1, 2]
-    watch = tree_guards.TreeWatch(lambda: root, "self")
-    entry = type("E", (), {"guard_type": "EQUALS_MATCH", "name": name})()
-    assert watch.filter([entry]) == [not covered]
-    if covered:
+    SCOPE.clear()
+    SCOPE.update(helper=nn.Sequential(), torch=torch)
+    SCOPE["helper"].inner = nn.ReLU()
+    watch = tree_guards.TreeWatch(lambda: root, "self", scope=lambda: SCOPE)
+    entry = type("E", (), {"guard_type": guard, "name": name})()
+    assert watch.filter([entry]) == [change is None]
+    if change is not None:
         assert watch.unchanged()
-        root.lin.in_features = 2  # stored again, the same value: not a change
+        root.lin.in_features = 2  # stored again, the same values: not a change
         root.training = True
+        SCOPE["other"] = 1  # elsewhere in a read dict: not what the chain read
         assert watch.unchanged()
-        root.extra = 1  # a new attribute where the chain starts: `self.extra` now resolves
+        change(root)
         assert not watch.unchanged()

@@ -11,29 +11,43 @@ change while a model decodes, and every one of them is a value read through inst
 The trade. For a piecewise group with ONE path (a stack region: its frame's module is always
 the same object), a ``guard_filter_fn`` drops a guard only when all of this holds:
 
-- its source is a plain chain from the frame's module argument: ``self``, then only
-  ``.name`` (an instance-dict attribute) and ``._modules[...]`` / ``._parameters[...]`` /
-  ``._buffers[...]`` steps, each resolving through an instance dict on the live module;
-- the value it guards is immutable (None, bool, int, float, str, a dtype, a device, a tuple
-  or frozenset of these), a module, a dict reached that way, or a plain object (a config);
-  never a tensor, a function, a list or a set (their guards are kept: TENSOR_MATCH on every
-  parameter stays, so shapes, dtypes, strides and devices are still dynamo's to check);
-- its kind is one of ``DROPPABLE`` (type, identity, value, key and length matches; never an
-  aliasing guard, whose other side may lie outside the tree).
+- its source is a plain chain from the frame's module argument (``self``) or from one of the
+  frame's globals (``G['name']``), then only ``.name`` (an instance-dict attribute, never a class
+  attribute or a property), ``._modules[...]`` / ``._parameters[...]`` / ``._buffers[...]`` and
+  ``['key']`` (a dict's item) steps, each resolving through a dict on the live objects;
+- the value it guards is immutable (None, bool, int, float, str, a dtype, a device, a tuple or
+  frozenset of these), a module or plain object (a config), a dict, a plain function, or a
+  parameter/buffer under TENSOR_MATCH (never one with a dim marked dynamic: a cache); never a
+  list, a set, a class or a builtin;
+- its kind is one of ``DROPPABLE`` (type, identity, value, key and length matches, closures,
+  TENSOR_MATCH; never an aliasing guard, whose other side may lie outside the tree).
 
-What covers each dropped guard: every dict read along those chains (each module's ``__dict__``
-and its ``_modules``, ``_parameters``, ``_buffers``, a config's ``__dict__``) is watched by its
-CPython version tag (``torch._C._dynamo.guards.dict_version``, the tag dynamo's own DICT_VERSION
-guards read: any store, delete or insert into the dict moves it), and every object along them by
-its type. Before each call the path compares the tags (one C-level ``map``) and the types. A
-moved tag is not yet a change (``model.train(); model.eval()`` stores the same flags again):
-the dict's items are compared with the snapshot taken when the guards were built (values by
-identity, immutable ones by value); equal, the tags are taken again. Different, the watch ends:
-the group compiles afresh WITHOUT the filter (dynamo's full guards from then on, recompiling on
-its own for any later change), the path's record says why, and the changed call runs that
-fresh compile. A class attribute, a property, a hook dict (dynamo skips hook guards by default,
-``skip_nnmodule_hook_guards``) or anything reached otherwise is not a plain chain: its guards
-are kept as they were.
+What covers each dropped guard, checked before every call of the path:
+
+- **The values the chains read**: every dict a chain steps through (a module's ``__dict__`` and
+  its ``_modules``/``_parameters``/``_buffers``, a config's, the frame's globals) by its CPython
+  version tag (``torch._C._dynamo.guards.dict_version``, the tag of dynamo's own DICT_VERSION
+  guards: every store, delete or insert moves it), one C-level ``map`` over all of them.
+- **Keys and lengths** (NOT_PRESENT_IN_GENERIC_DICT, DICT_CONTAINS, lengths, key matches): the
+  guarded object's whole dict, the same way (never a Python module's: imports add to it).
+- **Types** of every object along the chains (``__class__`` can be assigned without a dict
+  store), and the ``__code__`` of each function (swappable the same way).
+- **Parameters' metadata** (TENSOR_MATCH: type, dtype, device, layout, sizes, strides,
+  requires_grad, dispatch keys): dynamo's own ``TensorGuards`` over all of them in one call, one
+  per dispatch state seen (no_grad, inference_mode), at most ``MAX_TENSOR_CHECKS``. A marking
+  guard on a parameter (``_dynamo_dynamic_indices``) goes with it: a mark only changes which
+  graph dynamo would build for another shape, which this check refuses anyway.
+
+A moved tag is not yet a change (``model.train(); model.eval()`` stores the same flags again;
+dynamo sets a flag in a module's globals while it compiles): what the guards read of the dict
+(a chain's keys, or the whole dict for key guards) is compared with the snapshot taken when the
+guards were built (values by identity, immutable ones by value); equal, the tags are taken again.
+Different, the watch ends: the group compiles afresh WITHOUT the filter (dynamo's full guards
+from then on, recompiling on its own for any later change), the path's record says why, and the
+changed call runs that fresh compile. A hook dict (dynamo skips hook guards by default,
+``skip_nnmodule_hook_guards``), a closure cell, a class's dict, or anything reached otherwise is
+not a plain chain: those guards are kept as they were. The watch holds the objects it checks
+(the old parameter of a replaced one stays alive until the next call ends the watch).
 
 Where the tag cannot be trusted (a Python whose dicts no longer move it: tested once on import,
 by mutating a dict), or dynamo has no ``guard_filter_fn``, nothing is dropped.
@@ -41,7 +55,9 @@ by mutating a dict), or dynamo has no ``guard_filter_fn``, nothing is dropped.
 
 from __future__ import annotations
 
+import operator
 import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,11 +74,16 @@ DROPPABLE = frozenset({
     "TYPE_MATCH", "ID_MATCH", "EQUALS_MATCH", "CONSTANT_MATCH", "NONE_MATCH", "TRUE_MATCH",
     "FALSE_MATCH", "BOOL_MATCH", "NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS",
     "SEQUENCE_LENGTH", "LENGTH_CHECK", "DICT_LENGTH", "DICT_KEYS_MATCH", "DICT_KEYS",
-    "TENSOR_MATCH"})
+    "TENSOR_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH", "MODULE_MATCH"})
+# Of them, those that read a dict's keys (else a value's identity, type or value)
+_WHOLE = frozenset({"NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS", "SEQUENCE_LENGTH",
+                    "LENGTH_CHECK", "DICT_LENGTH", "DICT_KEYS_MATCH", "DICT_KEYS"})
 # TensorGuards kept for one watch (one per dispatch state: no_grad, inference_mode, autocast)
 MAX_TENSOR_CHECKS = 4
 # One step of a plain chain: a submodule/parameter/buffer by key, or an instance attribute.
-_STEP = re.compile(r"\._(modules|parameters|buffers)\['([^'\\]+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
+_STEP = re.compile(r"\._(modules|parameters|buffers)\['([^'\\]+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)"
+                   r"|\['([^'\\]+)'\]")
+_GLOBAL = re.compile(r"G\['([A-Za-z_][A-Za-z0-9_]*)'\]")  # a global of the compiled frame
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _MAX_DEPTH = 32  # steps in a chain; GPT-2 small's deepest is 10
 # Watch single-path groups' module trees (False: dynamo's full guards everywhere, as before)
@@ -124,14 +145,18 @@ def _same_items(now: list[tuple[Any, Any]], then: list[tuple[Any, Any]]) -> bool
 class TreeWatch:
     """The dicts and objects a piecewise group's dropped guards read, and their snapshot."""
 
-    def __init__(self, root: Callable[[], nn.Module | None], arg: str) -> None:
+    def __init__(self, root: Callable[[], nn.Module | None], arg: str,
+                 scope: Callable[[], Any] = dict) -> None:
         self.root = root  # the path's module, or None while the group has no single path
         self.arg = arg  # the frame's name for it (``self``)
+        self.scope = scope  # the frame's globals (``G[...]``)
+        self.fns: list[types.FunctionType] = []  # functions whose identity a guard read
+        self.codes: list[Any] = []  # and their code, which can be swapped without a dict
         self.dicts: list[dict[Any, Any]] = []
         self.objs: list[Any] = []
         self.versions: list[int] = []
         self.types: list[type] = []
-        self.items: list[list[tuple[Any, Any]]] = []
+        self._reads: dict[int, _Read] = {}  # per watched dict: what its guards read of it
         self.tensors: list[torch.Tensor] = []  # parameters and buffers whose TENSOR_MATCH dropped
         self.meta: list[tuple[Any, ...]] = []  # their metadata when the guards were built
         self.checks: list[Any] = []  # TensorGuards of them, one per dispatch state seen
@@ -167,10 +192,10 @@ class TreeWatch:
         """True while nothing a dropped guard read has changed (a few C-level calls a call)."""
         assert DICT_VERSION is not None
         if list(map(DICT_VERSION, self.dicts)) != self.versions:
-            if not all(map(_same_items, map(_items, self.dicts), self.items)):
+            if not all(r.same() for r in self._reads.values()):
                 return False
             self.versions = list(map(DICT_VERSION, self.dicts))  # stored again, same values
-        if list(map(type, self.objs)) != self.types:
+        if list(map(type, self.objs)) != self.types or list(map(_CODE, self.fns)) != self.codes:
             return False
         return not self.tensors or self._tensors_same()
 
@@ -191,7 +216,9 @@ class TreeWatch:
         assert DICT_VERSION is not None
         self.versions = list(map(DICT_VERSION, self.dicts))
         self.types = list(map(type, self.objs))
-        self.items = list(map(_items, self.dicts))
+        self.codes = list(map(_CODE, self.fns))
+        for r in self._reads.values():
+            r.take()
         grew = len(self.meta) != len(self.tensors)  # a compile covered more tensors
         self.meta = list(map(_meta, self.tensors))
         if grew:
@@ -207,30 +234,35 @@ class TreeWatch:
         if entry.guard_type not in DROPPABLE:
             return False
         name = str(entry.name)
-        prefix = next((p for p in (f"L['{self.arg}']", self.arg) if name.startswith(p)), None)
-        if prefix is None:
+        found = self._root(module, name)
+        if found is None:
             return False
-        steps = list(_STEP.finditer(name, len(prefix)))
-        if sum(len(m.group(0)) for m in steps) != len(name) - len(prefix) or \
-                len(steps) > _MAX_DEPTH:
+        obj, reads, start = found
+        dicts: list[dict[Any, Any]] = []  # read whole (a leaf's own dict, a dict itself)
+        steps = list(_STEP.finditer(name, start))
+        if sum(len(m.group(0)) for m in steps) != len(name) - start or len(steps) > _MAX_DEPTH:
             return False  # not a plain chain (a call, a type(), a closure, an index)
-        obj: Any = module
-        dicts: list[dict[Any, Any]] = []
         objs: list[Any] = []
         for m in steps:
+            kind, key, attr, item = m.groups()
+            if item is not None:  # a dict's item: ``G['__builtins_dict___0']['int']``
+                if not isinstance(obj, dict) or item not in obj:
+                    return False
+                reads.append((obj, item))
+                obj = obj[item]
+                continue
             own = getattr(obj, "__dict__", None)
             if type(own) is not dict or not _plain_object(obj):
                 return False
-            dicts.append(own)
             objs.append(obj)
-            kind, key, attr = m.groups()
             if kind is not None:
                 sub = own.get(f"_{kind}")
                 if not isinstance(sub, dict) or key not in sub:
                     return False
-                dicts.append(sub)
+                reads += [(own, f"_{kind}"), (sub, key)]
                 obj = sub[key]
             elif attr in own:
+                reads.append((own, attr))
                 obj = own[attr]
             else:
                 return False  # a class attribute or a property: not an instance dict's
@@ -239,29 +271,76 @@ class TreeWatch:
             if not isinstance(obj, torch.Tensor) or TensorGuards is None or any(
                     hasattr(obj, a) for a in _MARKS):
                 return False  # a tensor with a dynamic dim (a cache): dynamo keeps its guard
+            self._add(self.tensors, [obj])
         elif isinstance(obj, dict):
-            dicts.append(obj)
+            dicts += [obj] if entry.guard_type in _WHOLE else []
+        elif type(obj) is types.FunctionType:  # its identity, and the code it runs
+            self._add(self.fns, [obj])
         elif _plain_object(obj):
-            dicts.append(vars(obj))
+            if entry.guard_type in _WHOLE:  # it reads the keys of the object's own dict
+                if isinstance(obj, types.ModuleType):
+                    return False  # a Python module's dict: imports add to it any time
+                dicts.append(vars(obj))
             objs.append(obj)
         elif not immutable(obj):
-            return False  # a tensor, a function, a list: dynamo keeps its guard
-        if tensor and id(obj) not in self._seen:
-            self._seen.add(id(obj))
-            self.tensors.append(obj)
+            return False  # a tensor, a class, a builtin, a list: dynamo keeps its guard
         for d in dicts:
-            if id(d) not in self._seen:
-                self._seen.add(id(d))
-                self.dicts.append(d)
-        for o in objs:
-            if id(o) not in self._seen:
-                self._seen.add(id(o))
-                self.objs.append(o)
+            self._watch(d).whole = True
+        for d, k in reads:
+            self._watch(d).keys.add(k)
+        self._add(self.objs, objs)
         return True
 
+    def _watch(self, d: dict[Any, Any]) -> _Read:
+        read = self._reads.get(id(d))
+        if read is None:
+            read = self._reads[id(d)] = _Read(d)
+            self.dicts.append(d)
+        return read
 
-def _items(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
-    return list(d.items())
+    def _root(self, module: nn.Module, name: str
+              ) -> tuple[Any, list[tuple[dict[Any, Any], Any]], int] | None:
+        """Where a chain starts: the frame's module, or a global of the frame (its globals dict
+        watched); with the dicts read so far and where the steps begin in the name."""
+        for prefix in (f"L['{self.arg}']", self.arg):
+            if name.startswith(prefix):
+                return module, [], len(prefix)
+        m = _GLOBAL.match(name)
+        scope = self.scope() if m is not None else None
+        if m is None or not isinstance(scope, dict) or m.group(1) not in scope:
+            return None
+        return scope[m.group(1)], [(scope, m.group(1))], m.end()
+
+    def _add(self, into: list[Any], items: list[Any]) -> None:
+        for o in items:
+            if id(o) not in self._seen:
+                self._seen.add(id(o))
+                into.append(o)
+
+
+_CODE = operator.attrgetter("__code__")
+_MISSING = object()
+
+
+class _Read:
+    """What the dropped guards read of one dict: all of it (a leaf's own dict, whose keys a
+    NOT_PRESENT guard reads), or the items at some keys (a chain's steps, so that a module's
+    globals may change elsewhere: dynamo sets a flag there while it compiles)."""
+
+    def __init__(self, d: dict[Any, Any]) -> None:
+        self.d = d
+        self.whole = False
+        self.keys: set[Any] = set()
+        self.items: list[tuple[Any, Any]] = []
+
+    def take(self) -> None:
+        self.items = list(self.d.items()) if self.whole else \
+            [(k, self.d.get(k, _MISSING)) for k in self.keys]
+
+    def same(self) -> bool:
+        if self.whole:
+            return _same_items(list(self.d.items()), self.items)
+        return _same_items([(k, self.d.get(k, _MISSING)) for k, _ in self.items], self.items)
 
 
 # What a dim marked dynamic leaves on a tensor (torch._dynamo.decorators)
@@ -293,7 +372,7 @@ def watch_for(target: Callable[..., Any], bound: bool,
     if not (WATCH_TREES and _HAS_FILTER and bound) or DICT_VERSION is None or code is None \
             or code.co_argcount < 1:
         return None
-    return TreeWatch(root, code.co_varnames[0])
+    return TreeWatch(root, code.co_varnames[0], scope=lambda: getattr(target, "__globals__", None))
 
 
 def compile_watched(fn: Callable[..., Any], backend: Callable[..., Any],
