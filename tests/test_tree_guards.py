@@ -209,3 +209,32 @@ def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
         assert watch.unchanged()
         change(root)
         assert not watch.unchanged()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the GPU "
+                    "machine (benchmarks/RESULTS.md has the last run)")
+def test_on_cuda_the_watched_stack_replays_and_a_change_compiles_again() -> None:
+    """On CUDA with the default backend and region capture: the stack's watch is on (its tree
+    guards dropped), its pieces replay, tokens are eager's; a changed attribute the graph baked
+    (ln_f.eps) ends the watch, and the tokens follow eager's with the same change."""
+    model = tiny_gpt2().cuda()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, stack_plan())
+    ids = ids_of(1).cuda()
+    stack = handle.report.by_path("transformer")
+    with torch.no_grad():
+        want = generate(ref, ids, NEW)
+        assert torch.equal(generate(model, ids, NEW).sequences, want.sequences)
+        replays = stack.cuda_graph_replays
+        assert torch.equal(generate(model, ids, NEW).sequences, want.sequences)
+        watch = group_of(model).watch
+        assert watch is not None and watch.dropped > 100 and watch.tensors
+        assert stack.cuda_graph_replays - replays >= 3 * (NEW - 1)
+        _set_eps(model)
+        _set_eps(ref)
+        assert torch.equal(generate(model, ids, NEW).sequences,
+                           generate(ref, ids, NEW).sequences)
+    assert group_of(model).watch is None and stack.status == "compiled", stack.reason
