@@ -191,6 +191,7 @@ SCOPE: dict[str, Any] = {}
     pytest.param("EQUALS_MATCH", "kwargs['x']", None, id="an-argument"),
     pytest.param("HASATTR", "self._modules['lin']", None, id="a-kind-not-covered"),
     pytest.param("NOT_PRESENT_IN_GENERIC_DICT", "G['torch']", None, id="a-python-module"),
+    pytest.param("EQUALS_MATCH", "self.table", None, id="a-value-match-on-a-dict"),
 ])
 def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
         guard: str, name: str, change: Any) -> None:
@@ -199,6 +200,8 @@ def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
     root = nn.Module()
     root.lin = nn.Linear(2, 2)
     root.items = [1, 2]
+    root.table = {"a": 1}
+    root.cache = torch.zeros(1)
     SCOPE.clear()
     SCOPE.update(helper=nn.Sequential(), torch=torch)
     SCOPE["helper"].inner = nn.ReLU()
@@ -210,6 +213,7 @@ def test_only_plain_chains_through_instance_dicts_to_covered_values_are_dropped(
         root.lin.in_features = 2  # stored again, the same values: not a change
         root.training = True
         SCOPE["other"] = 1  # elsewhere in a read dict: not what the chain read
+        root.cache = torch.ones(1)  # a new value at a key no chain steps through (a cache)
         assert watch.unchanged()
         change(root)
         assert not watch.unchanged()

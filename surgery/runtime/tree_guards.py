@@ -24,12 +24,15 @@ the same object), a ``guard_filter_fn`` drops a guard only when all of this hold
 
 What covers each dropped guard, checked before every call of the path:
 
-- **The values the chains read**: every dict a chain steps through (a module's ``__dict__`` and
-  its ``_modules``/``_parameters``/``_buffers``, a config's, the frame's globals) by its CPython
-  version tag (``torch._C._dynamo.guards.dict_version``, the tag of dynamo's own DICT_VERSION
-  guards: every store, delete or insert moves it), one C-level ``map`` over all of them.
+- **The values the chains read** (a value match only on an immutable value; on anything else
+  only identity, type and key guards are dropped): every dict a chain steps through (a module's
+  ``__dict__`` and its ``_modules``/``_parameters``/``_buffers``, a config's, the frame's
+  globals) by its CPython version tag (``torch._C._dynamo.guards.dict_version``, the tag of
+  dynamo's own DICT_VERSION guards: every store, delete or insert moves it), one C-level ``map``
+  over all of them.
 - **Keys and lengths** (NOT_PRESENT_IN_GENERIC_DICT, DICT_CONTAINS, lengths, key matches): the
-  guarded object's whole dict, the same way (never a Python module's: imports add to it).
+  guarded object's own dict, the same way; on a moved tag its keys are compared (never a Python
+  module's dict: imports add to it).
 - **Types** of every object along the chains (``__class__`` can be assigned without a dict
   store), and the ``__code__`` of each function (swappable the same way).
 - **Parameters' metadata** (TENSOR_MATCH: type, dtype, device, layout, sizes, strides,
@@ -40,14 +43,15 @@ What covers each dropped guard, checked before every call of the path:
 
 A moved tag is not yet a change (``model.train(); model.eval()`` stores the same flags again;
 dynamo sets a flag in a module's globals while it compiles): what the guards read of the dict
-(a chain's keys, or the whole dict for key guards) is compared with the snapshot taken when the
-guards were built (values by identity, immutable ones by value); equal, the tags are taken again.
-Different, the watch ends: the group compiles afresh WITHOUT the filter (dynamo's full guards
-from then on, recompiling on its own for any later change), the path's record says why, and the
-changed call runs that fresh compile. A hook dict (dynamo skips hook guards by default,
-``skip_nnmodule_hook_guards``), a closure cell, a class's dict, or anything reached otherwise is
-not a plain chain: those guards are kept as they were. The watch holds the objects it checks
-(the old parameter of a replaced one stays alive until the next call ends the watch).
+(the items at a chain's keys, a dict's key list for key guards) is compared with the snapshot
+taken when the guards were built (values by identity, immutable ones by value); equal, the tags
+are taken again. Different, the watch ends: the group compiles afresh WITHOUT the filter
+(dynamo's full guards from then on, recompiling on its own for any later change), the path's
+record says why, and the changed call runs that fresh compile. A hook dict (dynamo skips hook
+guards by default, ``skip_nnmodule_hook_guards``), a closure cell, a class's dict, or anything
+reached otherwise is not a plain chain: those guards are kept as they were. The watch holds the
+objects it checks (the old parameter of a replaced one stays alive until the next call ends the
+watch).
 
 Where the tag cannot be trusted (a Python whose dicts no longer move it: tested once on import,
 by mutating a dict), or dynamo has no ``guard_filter_fn``, nothing is dropped.
@@ -78,6 +82,9 @@ DROPPABLE = frozenset({
 # Of them, those that read a dict's keys (else a value's identity, type or value)
 _WHOLE = frozenset({"NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS", "SEQUENCE_LENGTH",
                     "LENGTH_CHECK", "DICT_LENGTH", "DICT_KEYS_MATCH", "DICT_KEYS"})
+# Of them, those that read only a value's identity or type
+_IDENTITY = frozenset({"TYPE_MATCH", "ID_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
+                       "FUNCTION_MATCH"})
 # TensorGuards kept for one watch (one per dispatch state: no_grad, inference_mode, autocast)
 MAX_TENSOR_CHECKS = 4
 # One step of a plain chain: a submodule/parameter/buffer by key, or an instance attribute.
@@ -272,6 +279,8 @@ class TreeWatch:
                     hasattr(obj, a) for a in _MARKS):
                 return False  # a tensor with a dynamic dim (a cache): dynamo keeps its guard
             self._add(self.tensors, [obj])
+        elif not immutable(obj) and entry.guard_type not in _IDENTITY | _WHOLE:
+            return False  # a value match on a mutable object (its __eq__ reads its state)
         elif isinstance(obj, dict):
             dicts += [obj] if entry.guard_type in _WHOLE else []
         elif type(obj) is types.FunctionType:  # its identity, and the code it runs
@@ -323,23 +332,25 @@ _MISSING = object()
 
 
 class _Read:
-    """What the dropped guards read of one dict: all of it (a leaf's own dict, whose keys a
-    NOT_PRESENT guard reads), or the items at some keys (a chain's steps, so that a module's
-    globals may change elsewhere: dynamo sets a flag there while it compiles)."""
+    """What the dropped guards read of one dict: its keys (a key or length guard on the object
+    that owns it), and the items at the keys a chain steps through (so that a module's globals
+    may change elsewhere: dynamo sets a flag there while it compiles; a block may store a new
+    cache tensor in its own dict every step)."""
 
     def __init__(self, d: dict[Any, Any]) -> None:
         self.d = d
-        self.whole = False
-        self.keys: set[Any] = set()
+        self.whole = False  # its keys are read (presence, length, order)
+        self.keys: set[Any] = set()  # the keys whose values are read
+        self.names: list[Any] = []
         self.items: list[tuple[Any, Any]] = []
 
     def take(self) -> None:
-        self.items = list(self.d.items()) if self.whole else \
-            [(k, self.d.get(k, _MISSING)) for k in self.keys]
+        self.names = list(self.d) if self.whole else []
+        self.items = [(k, self.d.get(k, _MISSING)) for k in self.keys]
 
     def same(self) -> bool:
-        if self.whole:
-            return _same_items(list(self.d.items()), self.items)
+        if self.whole and list(self.d) != self.names:
+            return False
         return _same_items([(k, self.d.get(k, _MISSING)) for k, _ in self.items], self.items)
 
 
