@@ -68,10 +68,9 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # dynamo's TENSOR_MATCH check, for many tensors in one call
-    from torch._C._dynamo.guards import TensorGuards
-except ImportError:  # pragma: no cover (every torch we support has it)
-    TensorGuards = None
+# dynamo's TENSOR_MATCH check, for many tensors in one call (every torch we support has it)
+TensorGuards: Any = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+TensorGuards = getattr(TensorGuards, "TensorGuards", None)
 
 # The guard kinds a watched chain covers: type, identity, value, and key/length matches.
 DROPPABLE = frozenset({
@@ -367,8 +366,9 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
 def _tensor_check(tensors: list[torch.Tensor]) -> Any:
     """dynamo's TENSOR_MATCH of each tensor, static sizes and strides, in this dispatch state."""
     assert TensorGuards is not None
-    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    sizes: list[Any] = [list(t.shape) for t in tensors]
+    strides: list[Any] = [list(t.stride()) for t in tensors]
+    return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
 
 
 # torch.compile takes a guard_filter_fn from 2.8 on (these helpers came with it)
@@ -389,5 +389,6 @@ def watch_for(target: Callable[..., Any], bound: bool,
 def compile_watched(fn: Callable[..., Any], backend: Callable[..., Any],
                     watch: TreeWatch | None) -> Callable[..., Any]:
     """``torch.compile`` of a piecewise group's function, with the watch's filter if any."""
-    options = {"guard_filter_fn": watch.filter} if watch is not None else None
+    options: dict[str, Any] | None = \
+        {"guard_filter_fn": watch.filter} if watch is not None else None
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None, options=options)
