@@ -93,23 +93,7 @@ def test_the_trunks_piece_before_attention_compiles_light_beside_the_global_bloc
 
     monkeypatch.setattr(PiecewiseGroup, "_compile_piece", plan_backend)
     monkeypatch.setattr(piece_cache, "compile_light", counted_light)
-    from surgery.examples import tiny_sdpa
-
-    torch.manual_seed(0)
-    model = tiny_sdpa().eval()
-    ref = copy.deepcopy(model)
-    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
-    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
-    manifest.compile = {**manifest.compile, "backend": "inductor", "on_cpu": "compile"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, manifest)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for s in range(4):
-            x = model.example_input(seed=s)
-            got, want = model(x), ref(x)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k])
+    handle = _stream_piecewise_sdpa(frames=4)
     trunk = [handle.report.by_path(p) for p in TRUNK]
     glob = [handle.report.by_path(p) for p in GLOBAL]
     assert all(r.status == "compiled" for r in (*trunk, *glob))
@@ -138,25 +122,7 @@ def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
         return real(self, gm, example)
 
     monkeypatch.setattr(PiecewiseGroup, "_compile_piece", compile_piece)
-    from surgery.examples import tiny_sdpa
-
-    torch.manual_seed(0)
-    model = tiny_sdpa().eval()
-    ref = copy.deepcopy(model)
-    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
-    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
-    for r in manifest.regions:
-        r.compile = {**r.compile, "backend": "aot_eager"}
-    manifest.compile = {**manifest.compile, "backend": "inductor", "on_cpu": "compile"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        handle = apply_manifest(model, manifest)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for s in range(20):  # the trunk's full window compiles at 17
-            x = model.example_input(seed=s)
-            got, want = model(x), ref(x)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k])
+    handle = _stream_piecewise_sdpa(frames=20, region_backend="aot_eager")  # trunk's window: 17
     recs = [handle.report.by_path(p) for p in (*TRUNK, *GLOBAL)]
     assert all(r.status == "compiled" for r in recs), [r.reason for r in recs]
     assert plan_built == [False, False, False], plan_built  # RopeBlock's two, the trunk's one
@@ -168,3 +134,30 @@ def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
     assert handle.report.by_path(TRUNK[0]).pieces_restrided > 0
     assert handle.report.by_path(GLOBAL[0]).pieces_shared > 0
     assert all(r.cuda_graph_replays > 0 for r in (*recs, *frames))
+
+
+def _stream_piecewise_sdpa(frames: int, region_backend: str | None = None) -> Any:
+    """The tiny SDPA example's piecewise and frame-block regions on an inductor plan (each
+    region on ``region_backend`` where given), deployed, then ``frames`` frames streamed under
+    bf16 autocast, each output checked against an eager twin's. Returns the apply handle."""
+    from surgery.examples import tiny_sdpa
+
+    torch.manual_seed(0)
+    model = tiny_sdpa().eval()
+    ref = copy.deepcopy(model)
+    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
+    if region_backend is not None:
+        for r in manifest.regions:
+            r.compile = {**r.compile, "backend": region_backend}
+    manifest.compile = {**manifest.compile, "backend": "inductor", "on_cpu": "compile"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for s in range(frames):
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k])
+    return handle
