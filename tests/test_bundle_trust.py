@@ -265,6 +265,7 @@ def test_a_genuine_signed_bundle_loads(site, env_key, spy) -> None:
 
 def test_a_key_file_works_as_well_as_the_variable(site, monkeypatch, spy, tmp_path) -> None:
     (tmp_path / "cache.key").write_text(KEY_HEX + "\n")
+    (tmp_path / "cache.key").chmod(0o600)
     monkeypatch.delenv(signing.ENV_KEY, raising=False)
     monkeypatch.setenv(signing.ENV_KEY_FILE, str(tmp_path / "cache.key"))
     bundle.write_bundle(str(site / "net.surgery.cache"), EMPTY_BLOB, _record(site), key=KEY)
@@ -493,6 +494,7 @@ def test_warm_with_a_missing_key_file_exits_3(warm_site, no_key) -> None:
                                     "cache.key"])
 def test_warm_never_overwrites_an_input(warm_site, no_key, target) -> None:
     (warm_site / "cache.key").write_text(KEY_HEX)
+    (warm_site / "cache.key").chmod(0o600)
     before = {p.name: p.read_bytes() for p in warm_site.iterdir() if p.is_file()}
     r = CliRunner().invoke(cli, [*WARM, "--key-file", "cache.key", "-o", target, "--force"])
     assert r.exit_code == 3, r.output
@@ -504,6 +506,7 @@ def test_warm_never_overwrites_an_input(warm_site, no_key, target) -> None:
 
 def test_warm_never_overwrites_its_input_through_a_link(warm_site, no_key) -> None:
     (warm_site / "cache.key").write_text(KEY_HEX)
+    (warm_site / "cache.key").chmod(0o600)
     os.symlink(warm_site / "net.surgery.toml", warm_site / "link.cache")
     before = (warm_site / "net.surgery.toml").read_bytes()
     r = CliRunner().invoke(cli, [*WARM, "--key-file", "cache.key", "-o", "link.cache",
@@ -547,6 +550,8 @@ def test_warm_signs_with_the_key_file_it_was_given(warm_site, no_key) -> None:
     from surgery.errors import CacheSignatureError
 
     (warm_site / "cache.key").write_text(KEY_HEX)
+
+    (warm_site / "cache.key").chmod(0o600)
     r = CliRunner().invoke(cli, [*WARM, "--key-file", "cache.key"])
     assert r.exit_code == 0, r.output
     path = str(warm_site / "net.surgery.cache")

@@ -65,6 +65,31 @@ def test_key_file_fifo_device_and_world_writable_are_refused(tmp_path: Path) -> 
         signing.load_key(environ={signing.ENV_KEY_FILE: str(key)})
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o610])
+def test_a_key_file_others_can_read_or_change_is_refused(tmp_path: Path, mode: int) -> None:
+    """HMAC is symmetric: whoever reads the key signs bundles that run in the deployer's
+    process (a plain `> cache.key` under umask 022 gives 0644)."""
+    key = tmp_path / "cache.key"
+    key.write_text("ab" * 32)
+    key.chmod(mode)
+    with pytest.raises(CacheKeyError, match=f"has mode {mode:04o}") as info:
+        signing.load_key(key)
+    assert f"chmod 600 {key}" in (info.value.hint or "")
+    key.chmod(0o400)
+    assert signing.load_key(key) == bytes.fromhex("ab" * 32)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="giving a file to another user needs root")
+def test_a_key_file_another_user_owns_is_refused(tmp_path: Path) -> None:
+    key = tmp_path / "cache.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    os.chown(key, 65534, 65534)  # nobody: they could rewrite it and sign with their own key
+    with pytest.raises(CacheKeyError, match="belongs to uid 65534"):
+        signing.load_key(key)
+
+
 def test_a_limit_is_raised_by_its_env_var_only(monkeypatch) -> None:
     for name, lim in LIMITS.items():
         monkeypatch.delenv(env_var(name), raising=False)

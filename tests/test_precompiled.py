@@ -494,6 +494,17 @@ def test_warm_old_input_form_works_with_a_note(site) -> None:
     assert "note: --input here names an example-input factory" in r.output
 
 
+def test_warm_help_teaches_the_step_form_and_a_private_key() -> None:
+    """`surgery warm --help` is where a new user learns both (issue 23)."""
+    r = CliRunner().invoke(cli, ["warm", "--help"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "--step takes the same STEP as `surgery plan --input`" in text
+    assert "--steps times" in text and "the older --input FACTORY form still works" in text
+    assert "--step surgery.examples:stream_step --steps 4" in text  # the example uses it
+    assert "(umask 077; python -c" in text  # the recipe makes a key file warm accepts
+
+
 @pytest.mark.parametrize("extra", [
     pytest.param([], id="neither"),
     pytest.param(["--step", "premod:step", "--input", "premod:example"], id="both"),

@@ -326,8 +326,14 @@ def warm(model_spec: str, manifest: str, step_spec: str | None, steps: int | Non
       apply_manifest(model, "model.surgery.toml", cache=True, warmup=...)
     It is loaded only on the same torch / triton / CUDA / GPU and for the same manifest,
     and only when signed with the deployer's key: make one with
-    python -c "import secrets;print(secrets.token_hex(32))" > cache.key, then set
-    SURGERY_CACHE_KEY_FILE=cache.key here and where the bundle is loaded.
+    (umask 077; python -c "import secrets;print(secrets.token_hex(32))" > cache.key), then
+    set SURGERY_CACHE_KEY_FILE=cache.key here and where the bundle is loaded (a key file
+    that others can read is refused: whoever reads it can sign code that runs here).
+
+    \b
+    Streaming models: --step takes the same STEP as `surgery plan --input` (a callable that
+    receives the model and runs one step) and runs it --steps times; the older
+    --input FACTORY form still works, with a note.
 
     \b
     The bundle also holds each region group's code compiled ahead of time (torch 2.10+), which

@@ -26,7 +26,8 @@ file, so a bundle is trusted only when its MAC verifies with the key the deploye
 (surgery.runtime.signing: $SURGERY_CACHE_KEY or $SURGERY_CACHE_KEY_FILE). The checks, in order, all
 before torch sees a byte: magic and lengths against the file's size; the key is there; the MAC
 (constant-time compare), before any byte of the metadata is parsed; the metadata; the framing of
-the blob and every artifact key (surgery.runtime.artifacts, defence in depth); then the environment.
+the blob and every artifact key (surgery.runtime.artifacts, defence in depth); then the environment;
+then that the folders torch writes the code into are private (surgery.runtime.private_dirs).
 Every problem becomes a one-line reason, never an exception: a stale, forged or corrupt bundle
 must not stop a deployment; it only costs the compile it would have saved. Format-1 bundles
 (``SGCACHE1``, written before bundles were signed) are never loaded; verify calls them unsigned.
@@ -70,6 +71,7 @@ from surgery.runtime.bundle_parts import (
     parse_parts,
     split_blob,
 )
+from surgery.runtime.private_dirs import private_dirs_problem
 from surgery.runtime.signing import load_key, require_key
 
 __all__ = ["ENV_KEYS", "environment", "environment_without_torch"]  # re-exported
@@ -178,6 +180,9 @@ def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None
                      overrides=overrides or {}, env=environment(device=device))
     if why:
         return None, f"{path} does not fit: " + "; ".join(why)
+    # Verified and fitting; its code is still only as safe as the folders torch writes it to.
+    if unsafe := private_dirs_problem():
+        return None, f"{path} is not loaded: {unsafe}"
     assert blob is not None
     megacache, section = split_blob(meta, blob)  # read_bundle checked both parts
     return (megacache, *parse_parts(meta, section)), ""

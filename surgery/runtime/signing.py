@@ -7,8 +7,9 @@ MAC verifies (compared in constant time) *before* any of its bytes is parsed or 
 
 The key comes from code (``key_file=``, ``surgery warm --key-file``) or from the environment:
 ``SURGERY_CACHE_KEY`` (64 hex digits, or any text of 16 bytes or more) or
-``SURGERY_CACHE_KEY_FILE`` (a file holding the same). Without one, building a bundle is refused
-and loading one is skipped. Make one with
+``SURGERY_CACHE_KEY_FILE`` (a file holding the same, mode 600: a key file its group or others
+can read or write, or that another user owns, is refused, since whoever reads the key can sign).
+Without one, building a bundle is refused and loading one is skipped. Make one with
 ``python -c "import secrets;print(secrets.token_hex(32))"``.
 """
 
@@ -29,10 +30,12 @@ ENV_KEY = "SURGERY_CACHE_KEY"
 ENV_KEY_FILE = "SURGERY_CACHE_KEY_FILE"
 MIN_KEY_BYTES = 16  # 128 bits; `secrets.token_hex(32)` gives 32 bytes
 MAKE_KEY = 'python -c "import secrets;print(secrets.token_hex(32))"'
+# A key file's mode may give nothing to its group or others (read or write).
+_OPEN_TO_OTHERS = stat.S_IRWXG | stat.S_IRWXO
 # Separates this MAC from any other use of the same key.
 _DOMAIN = b"surgery compile-cache bundle\x00"
 _KEY_FILE_MAX = 4096
-_HOW = (f"make a key once with `{MAKE_KEY} > cache.key` (keep it private), then set "
+_HOW = (f"make a key once with `(umask 077; {MAKE_KEY} > cache.key)` (private to you), then set "
         f"{ENV_KEY_FILE}=cache.key (or {ENV_KEY}=<the hex>) where bundles are built and loaded")
 
 
@@ -54,7 +57,8 @@ def _decode(raw: bytes, *, where: str) -> bytes:
 def _read_key_file(path: str, *, where: str) -> bytes:
     try:
         raw = read_regular(path, max_bytes=_KEY_FILE_MAX)
-        mode = os.stat(path).st_mode
+        info = os.stat(path)
+        mode, owner = info.st_mode, info.st_uid
     except OverflowError:
         raise CacheKeyError(f"the cache key file {path!r} ({where}) is larger than "
                             f"{_KEY_FILE_MAX} bytes: not a key", hint=_HOW) from None
@@ -67,6 +71,18 @@ def _read_key_file(path: str, *, where: str) -> bytes:
                             "anyone on this machine could sign bundles with it",
                             hint=f"chmod 600 {path}, and rotate the key if others could write "
                             "it")
+    if mode & _OPEN_TO_OTHERS:
+        # HMAC is symmetric: whoever can read the key can sign a bundle that this process then
+        # runs. ssh refuses a private key others can read for the same reason.
+        raise CacheKeyError(f"the cache key file {path!r} ({where}) has mode "
+                            f"{stat.S_IMODE(mode):04o}: others can read or change it, and "
+                            "anyone who can read the key can sign bundles that run here",
+                            hint=f"chmod 600 {path}, and rotate the key if others could read "
+                            "it")
+    if hasattr(os, "geteuid") and owner not in (os.geteuid(), 0):
+        raise CacheKeyError(f"the cache key file {path!r} ({where}) belongs to uid {owner}, "
+                            "not to this user, who could replace it and sign bundles",
+                            hint=f"keep the key in a file of your own, mode 600 ({_HOW})")
     return _decode(raw, where=f"{where} {path!r}")
 
 
