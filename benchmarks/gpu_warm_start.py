@@ -79,10 +79,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 STARTED = time.perf_counter()
+import _bytecode  # noqa: E402
 from _arms import child_result, latency, time_call  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
-PHASES = ("cold", "warm", "warm-base", "warm-aoti")
+PHASES = ("cold", "warm", "warm-host", "warm-base", "warm-aoti")
 # Modules a start from runners should not import (inductor's compiler and loader, Triton).
 HEAVY = ("torch._inductor.graph", "torch._inductor.lowering", "torch._inductor.select_algorithm",
          "torch._inductor.codecache", "triton")
@@ -91,23 +92,6 @@ _STEADY = 20
 _PROFILE_ROWS = 60
 _PROFILE_SKIP = ("<built-in method builtins.exec>", "<built-in method builtins.__import__>",
                  "<built-in method _imp.exec_dynamic>", "<built-in method _imp.create_dynamic>")
-
-
-def pyc_missing(names: list[str]) -> int:
-    """How many of these modules were imported from source with no bytecode cached for them
-    (``importlib.util.cache_from_source``, which follows PYTHONPYCACHEPREFIX): each was compiled
-    in this process. A host whose site-packages has no .pyc pays that on every start."""
-    import importlib.util
-
-    n = 0
-    for name in names:
-        f = getattr(sys.modules.get(name), "__file__", None) or ""
-        if f.endswith(".py"):
-            try:
-                n += not os.path.exists(importlib.util.cache_from_source(f))
-            except (NotImplementedError, ValueError):
-                n += 1
-    return n
 
 
 def process_age() -> float:
@@ -356,6 +340,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     if first_load is not None:
         _profile_first_load(pre, first_load)
     age0 = process_age()
+    started_wall = _bytecode.process_start()  # for the bytecode count
     modules0 = set(sys.modules)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -421,7 +406,10 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         # frames dynamo traced: one "bytecode_tracing" entry each (counters["frames"] misses
         # fullgraph compiles, which skip the wrapper that counts them)
         "dynamo_frames": len(metrics.get("bytecode_tracing", [])),
-        "pyc_missing": pyc_missing(new_modules),
+        "pyc_missing": _bytecode.missing(new_modules, started_wall, skip_under=(
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),)),
+        "pyc_missing_before_apply": _bytecode.missing(sorted(modules0), started_wall),
+        "bytecode": os.environ.get("WARM_START_BYTECODE", "host"),
         "precompiled": cache.precompiled if cache else 0,
         "aoti_runners": getattr(cache, "aoti", 0) if cache else 0,
         "imported": len(new_modules), "imported_heavy": [m for m in new_modules if any(
@@ -459,9 +447,41 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     return out
 
 
+# What a discovery process imports for ``--pyc`` (its packages are then compiled whole): what
+# every timed process imports, plus the model's package.
+_BYTECODE_IMPORTS = ("torch", "surgery.runtime.apply", "surgery.runtime.precompiled",
+                     "surgery.examples", "torch._inductor.compile_fx",
+                     "torch._inductor.select_algorithm", "_arms", "gpu_zoo")
+_MODEL_IMPORTS = {"hf_bert": ("transformers.models.bert.modeling_bert",),
+                  "flux": ("diffusers.models.transformers.transformer_flux",), "sdpa": ()}
+
+
+def prepare_bytecode(mode: str, models: list[str], device: str, work: str) -> dict[str, Any]:
+    """The bytecode every timed process of this run reads (see benchmarks/_bytecode.py):
+    {"mode", "prefix", ...}; ``compiled`` compiles it here, once, before any timed process."""
+    if mode == "host":
+        return {"mode": "host", "prefix": None}
+    prefix = os.path.join(work, f"pyc-{mode}")
+    if mode == "none":
+        return {"mode": "none", "prefix": prefix}
+    from surgery.runtime.load_timing import CUDA_LOADER_MODULES, LOADER_MODULES
+
+    imports = [*_BYTECODE_IMPORTS, *LOADER_MODULES,
+               *(CUDA_LOADER_MODULES if device == "cuda" else ()),
+               *(m for name in models for m in _MODEL_IMPORTS.get(name, ()))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = _bytecode.compile_into(prefix, imports, env)
+    print(f"bytecode compiled into {prefix}: {done['py_files']} .py files of "
+          f"{len(done['roots'])} packages, discovery {done['discover_s']} s, compileall "
+          f"{done['compile_s']} s (rc {done['compileall_rc']})", file=sys.stderr, flush=True)
+    return done
+
+
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
               keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False,
-              profile_apply: bool = False) -> list[dict[str, Any]]:
+              profile_apply: bool = False, bytecode: dict[str, Any] | None = None
+              ) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
@@ -478,12 +498,18 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     bundle = os.path.join(work, "model.surgery.cache")
     ref = os.path.join(work, "cold_output.pt")
     results: list[dict[str, Any]] = []
+    bytecode = bytecode or {"mode": "host", "prefix": None}
     phases = [p for p in PHASES if p in ("cold", "warm") or (p == "warm-base" and baseline)
-              or (p == "warm-aoti" and aoti)]
+              or (p == "warm-aoti" and aoti) or (p == "warm-host" and
+                                                  bytecode["mode"] != "host")]
     for phase in phases:
         cache = os.path.join(work, f"inductor-{phase}")
         penv = {**env, "TORCHINDUCTOR_CACHE_DIR": cache,
                 "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        # warm-host: the host's own bytecode (none on an image without .pyc), for the A/B
+        mode = "host" if phase == "warm-host" else bytecode["mode"]
+        penv = _bytecode.env_for(mode, bytecode["prefix"], penv)
+        penv["WARM_START_BYTECODE"] = mode
         res = child_result([__file__, "--phase", phase, "--models", name, "--manifest",
                             manifest, "--bundle", bundle, "--device", device, "--ref", ref,
                             *(["--profile"] if profile else []), *(["--aoti"] if aoti else []),
@@ -541,7 +567,9 @@ def table(results: list[dict[str, Any]]) -> str:
                     f"{r['dynamo_graphs']}, precompiled installed {r.get('precompiled', 0)} "
                     f"(AOTI runners {r.get('aoti_runners', 0)}), frames to the first replay "
                     f"{r['frames_to_replay']}, modules imported from apply to it "
-                    f"{r.get('imported')} ({r.get('pyc_missing')} with no .pyc cached)")
+                    f"{r.get('imported')} ({r.get('pyc_missing')} with no .pyc to load; "
+                    f"before apply {r.get('pyc_missing_before_apply')}; bytecode "
+                    f"{r.get('bytecode')})")
         if r["phase"] != "cold":
             rows.append(f"  heavy modules imported from apply to the first replay: "
                         f"{r.get('imported_heavy')}")
@@ -605,6 +633,13 @@ def main() -> None:
                     help="add a warm process without surgery.runtime.warm_loader's cuts (A/B)")
     ap.add_argument("--aoti", action="store_true",
                     help="add a warm process from a bundle with AOTInductor packages")
+    ap.add_argument("--pyc", nargs="?", const="compiled", default="host",
+                    choices=_bytecode.MODES,
+                    help="bytecode for every timed process: 'compiled' (the flag alone) "
+                         "byte-compiles the packages they import into a PYTHONPYCACHEPREFIX "
+                         "first, as pip does at install, and adds a warm-host process with the "
+                         "host's own bytecode for the A/B; 'none' runs all with no bytecode "
+                         "at all (an image without .pyc); default 'host': as the host is")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -621,16 +656,26 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown model(s) {bad}; use {', '.join(MODELS)}")
     results: list[dict[str, Any]] = []
+    work = tempfile.mkdtemp(prefix="warm_start_bytecode_")
+    bytecode = prepare_bytecode(args.pyc, models, args.device, work)
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
                              timeout=args.timeout, keep=args.keep, profile=args.profile,
                              baseline=args.baseline, aoti=args.aoti,
-                             profile_apply=args.profile_apply)
-    print(f"## warm start ({args.size}, {dtype}, {args.device})\n")
+                             profile_apply=args.profile_apply, bytecode=bytecode)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"## warm start ({args.size}, {dtype}, {args.device}; bytecode {args.pyc})\n")
+    if bytecode["mode"] == "compiled":
+        print(f"bytecode: {bytecode['py_files']} .py files of {len(bytecode['roots'])} "
+              f"packages compiled before the timed processes (discovery "
+              f"{bytecode['discover_s']} s + compileall {bytecode['compile_s']} s: an "
+              f"install's cost, not a start's); warm-host is the same warm start with the "
+              f"host's own bytecode\n")
     print(table(results))
     print()
     print(json.dumps({"size": args.size, "device": args.device, "dtype": dtype,
-                      "results": results}))
+                      "bytecode": bytecode, "results": results}))
 
 
 if __name__ == "__main__":
