@@ -155,19 +155,20 @@ def process_start() -> float:
         return time.time()
 
 
-def missing(names: list[str], since: float, skip_under: tuple[str, ...] = ()) -> int:
-    """How many of these imported modules had no bytecode to load: no .pyc where Python looks
+def missing(names: list[str], since: float, skip_under: tuple[str, ...] = ()) -> list[str]:
+    """Which of these imported modules had no bytecode to load: no .pyc where Python looks
     (which follows PYTHONPYCACHEPREFIX), or one written at or after ``since`` (a time.time(),
     the process's start): compiled from source in this process either way. Files under
     ``skip_under`` (inductor's generated code, written by this process) are not counted."""
-    n = 0
+    out = []
     for name in names:
         f = getattr(sys.modules.get(name), "__file__", None) or ""
         if not f.endswith(".py") or any(f.startswith(s) for s in skip_under if s):
             continue
         try:
             pyc = importlib.util.cache_from_source(f)
-            n += (not os.path.exists(pyc)) or os.path.getmtime(pyc) >= since
+            if not os.path.exists(pyc) or os.path.getmtime(pyc) >= since:
+                out.append(name)
         except (NotImplementedError, ValueError, OSError):
-            n += 1
-    return n
+            out.append(name)
+    return out

@@ -11,11 +11,26 @@ stage (one line each, flushed, so the last line says where it died):
                 package loader (torch's AOTIModelPackageLoader, as aoti_load_package) + run
   fresh_runner  process C (fresh): surgery's open_package with the runner loader (the library
                 run by torch._C._aoti.AOTIModelContainerRunnerCuda directly) + run
+  abi           (no process) the built library against the C++ runtimes: the g++ that built it
+                and the highest GLIBCXX its libstdc++ provides, the highest the library
+                needs, what ldd resolves it to, the ABI flags in the package's flag files
+  maps          a fresh loader process (torch, CUDA, triton imported): the libstdc++ it has
+                mapped, torch's C++11-ABI flag, and which loaded libraries export std::regex
+                code (the crash is in the regex the library's constructor compiles: code
+                the library instantiates, which the dynamic linker may bind to another
+                library's copy of it), and whether the library itself exports it
+  deepbind      the runner loader after the library was dlopen-ed with RTLD_DEEPBIND (its own
+                definitions first): if this runs and fresh_runner crashes, the crash is symbol
+                interposition, and this is the work-around
+  preload       the runner loader with LD_PRELOAD of the g++'s own libstdc++ (for the load
+                only): if this runs, the crash is an older libstdc++ loaded first
   gdb           the first of B, C that crashed, again under ``gdb -batch`` (or ``cuda-gdb``,
                 which the H200 image has instead of gdb): its native stack
   --cpu-too     the same for a CPU package on that host (is it CUDA's?)
 
-A time budget (``--budget``, 115 s) bounds the whole probe: each process gets what is left, and
+They run in that order (build, abi, maps, deepbind, preload, fresh_runner, fresh_cuda), so
+that the questions are answered before the two known crashes. A time budget (``--budget``,
+115 s) bounds the whole probe: each process gets what is left, and
 the gdb rerun is skipped when too little is.
 
     python benchmarks/aoti_cuda_probe.py            # at most --budget s (115) on the H200
@@ -27,9 +42,11 @@ Prints each variant's stages and return code, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,7 +68,8 @@ class M(nn.Module):
     def __init__(s): super().__init__(); s.a = nn.Linear(64, 128); s.b = nn.Linear(128, 64)
     def forward(s, x): return s.b(torch.nn.functional.gelu(s.a(x)))
 dev = "cpu" if variant.endswith("cpu") else "cuda"
-if variant == "fresh_runner_cpu":
+variant = variant[:-len("_cpu")] if variant.endswith("_cpu") else variant
+if variant == "preload":  # the runner loader, with LD_PRELOAD set by the parent
     variant = "fresh_runner"
 m = M().to(dev).eval(); x = torch.randn(4, 64, device=dev)
 with torch.no_grad():
@@ -69,6 +87,55 @@ def check(y):
     if dev == "cuda":
         torch.cuda.synchronize()
     say("ran, max abs diff", float((y - want).abs().max()))
+def unpacked():
+    import zipfile
+    folder = os.path.join(work, f"unpacked_{dev}")
+    with zipfile.ZipFile(path) as z:
+        z.extractall(folder)
+    (lib,) = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".so")]
+    return lib
+if variant == "maps":  # which C++ runtime and which exporters of std::regex a loader process has
+    import subprocess, json as _j
+    import torch._C._aoti
+    if dev == "cuda":
+        torch.zeros(1, device="cuda")
+    import triton  # a real warm process has it mapped too
+    libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if ".so" in ln.split()[-1]})
+    say("libstdc++ mapped", [l for l in libs if "libstdc++" in l])
+    say("torch cxx11 abi", torch._C._GLIBCXX_USE_CXX11_ABI, "torch", torch.__version__)
+    lib = unpacked()
+    def regex_syms(so):
+        try:
+            out = subprocess.run(["nm", "-D", "-C", "--defined-only", so], capture_output=True,
+                                 text=True, timeout=30).stdout
+        except Exception as e:
+            return f"nm failed: {e}"
+        return sum(("regex_traits" in ln or "std::__detail::_Compiler" in ln
+                    or "std::__detail::_Scanner" in ln) for ln in out.splitlines())
+    exporters = {}
+    for so in libs:
+        if any(k in so for k in ("torch", "c10", "triton", "libstdc++", "nvidia", "cuda")):
+            n = regex_syms(so)
+            if n:
+                exporters[os.path.basename(so)] = n
+    say("loaded libs exporting std::regex code", exporters)
+    say("wrapper exports std::regex code", regex_syms(lib))
+    raise SystemExit(0)
+if variant == "deepbind":
+    # The package's library dlopen-ed first with RTLD_DEEPBIND (its own definitions before any
+    # loaded library's, for the std::regex code it instantiates), then the runner opens the
+    # same path, which dlopen answers with that handle.
+    import ctypes
+    lib = unpacked()
+    ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_DEEPBIND)
+    say("dlopen deepbind", os.path.basename(lib))
+    aoti = torch._C._aoti
+    runner = aoti.AOTIModelContainerRunnerCuda(lib, 1, "cuda", os.path.dirname(lib), True) \
+        if dev == "cuda" else aoti.AOTIModelContainerRunnerCpu(lib, 1)
+    say("loaded")
+    check(runner.run([x])[0])
+    say("OK")
+    raise SystemExit(0)
 if variant.startswith("fresh"):
     from surgery.runtime.aoti_bundle import open_package
     data = open(path, "rb").read()
@@ -81,12 +148,68 @@ say("OK")
 '''
 
 
-def run(variant: str, work: str, timeout: float, gdb: str = "") -> dict[str, object]:
+def gxx_runtime() -> str:
+    """The libstdc++ of the g++ that builds the package (what LD_PRELOAD gives ``preload``)."""
+    try:
+        out = subprocess.run(["g++", "-print-file-name=libstdc++.so.6"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return os.path.realpath(out) if out and os.path.isabs(out) else ""
+
+
+def _sh(cmd: list[str]) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        return p.stdout + p.stderr
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cmd[0]}: {e}"
+
+
+def _glibcxx_max(text: str) -> str:
+    """The highest GLIBCXX_3.4.N version named in ``text`` (objdump -T or strings output)."""
+    found = [int(v) for v in re.findall(r"GLIBCXX_3\.4\.(\d+)", text)]
+    return f"GLIBCXX_3.4.{max(found)}" if found else "none"
+
+
+def abi_report(work: str, dev: str) -> dict[str, object]:
+    """The built library against the C++ runtimes: which g++ built it and its libstdc++, the
+    highest GLIBCXX the library needs, what ``ldd`` resolves it to, the ABI flags it was built
+    with (the package's flag files), and the highest GLIBCXX each libstdc++ provides."""
+    path = os.path.join(work, f"p_{dev}.pt2")
+    if not os.path.exists(path):
+        return {"error": "no package built"}
+    folder = os.path.join(work, f"abi_{dev}")
+    with zipfile.ZipFile(path) as z:
+        z.extractall(folder)
+        flags = [n for n in z.namelist() if n.endswith("flags.json")]
+    libs = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".so")]
+    if not libs:
+        return {"error": "no .so in the package"}
+    lib = libs[0]
+    gxx = gxx_runtime()
+    ldd = [ln.strip() for ln in _sh(["ldd", lib]).splitlines() if "stdc++" in ln or "not found"
+           in ln]
+    abi_flags = []
+    for n in flags:
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, n)) as f:
+            abi_flags += re.findall(r"-D_GLIBCXX_USE_CXX11_ABI=\d|-static-libstdc\+\+|"
+                                    r"-fvisibility[=\w-]*|_GLIBCXX_USE_CXX11_ABI[^,\]]*",
+                                    f.read())
+    return {"gxx": _sh(["g++", "--version"]).splitlines()[0] if gxx else "no g++",
+            "gxx_libstdcxx": gxx, "gxx_libstdcxx_provides": _glibcxx_max(_sh(["strings", gxx]))
+            if gxx else "", "library_needs": _glibcxx_max(_sh(["objdump", "-T", lib])),
+            "ldd_libstdcxx": ldd, "build_flags": sorted(set(abi_flags)), "flag_files": flags}
+
+
+def run(variant: str, work: str, timeout: float, gdb: str = "",
+        extra_env: dict[str, str] | None = None) -> dict[str, object]:
     script = os.path.join(work, "child.py")
     cmd = [sys.executable, script, variant, work]
     if gdb:
         cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 25", "--args", *cmd]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           **(extra_env or {})}
     started = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout),
@@ -111,22 +234,34 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="aoti_probe_")
     with open(os.path.join(work, "child.py"), "w") as f:
         f.write(CHILD)
-    cuda = ["build_cuda", "fresh_cuda", "fresh_runner"]
-    cpu = ["build_cpu", "fresh_cpu", "fresh_runner_cpu"]
+    # The crash's questions first (the ABI, the loaded runtimes, the two work-arounds), the two
+    # loaders that crashed before last.
+    cuda = ["build_cuda", "abi", "maps", "deepbind", "preload", "fresh_runner", "fresh_cuda"]
+    cpu = ["build_cpu", "abi_cpu", "maps_cpu", "deepbind_cpu", "preload_cpu", "fresh_cpu",
+           "fresh_runner_cpu"]
     plan = cpu if args.cpu else cuda + (cpu if args.cpu_too else [])
-    results = []
+    results: list[dict[str, object]] = []
+    gxx = gxx_runtime()
     for v in plan:
         left = deadline - time.perf_counter()
         if left < 5:
             print(f"== {v}: not run (budget spent)")
             continue
-        r = run(v, work, left)
+        if v.startswith("abi"):
+            rep = abi_report(work, "cpu" if v.endswith("cpu") else "cuda")
+            results.append({"variant": v, "abi": rep})
+            print(f"== {v}: {json.dumps(rep)}")
+            continue
+        if v.startswith("preload") and not gxx:
+            print(f"== {v}: not run (no g++ runtime found to preload)")
+            continue
+        r = run(v, work, left, extra_env={"LD_PRELOAD": gxx} if v.startswith("preload") else None)
         results.append(r)
         print(f"== {r['variant']}: rc={r['rc']} in {r['seconds']} s; stages {r['stages']}")
         for ln in r["tail"]:
             print("   ", ln[:300])
     crashed = next((r for r in results if str(r["variant"]).startswith("fresh")
-                    and r["rc"] not in (0, None)), None)
+                    and r.get("rc") not in (0, None)), None)
     gdb = shutil.which("gdb") or shutil.which("cuda-gdb") or ""
     left = deadline - time.perf_counter()
     if crashed is not None and gdb and left > 15:

@@ -255,6 +255,23 @@ def _top(prof: cProfile.Profile, n: int = _PROFILE_ROWS) -> list[list[Any]]:
     return sorted(rows, key=lambda r: -r[0])[:n]
 
 
+def _label(file: str, line: int, fn: str) -> str:
+    return f"{os.path.relpath(file, ROOT) if file.startswith(ROOT) else file}:{line}({fn})"[-140:]
+
+
+def _callers(prof: cProfile.Profile, n: int = 8, k: int = 3) -> list[list[Any]]:
+    """Who spends a profile's time: its n functions with the most own time, each as
+    [own s, calls, function, [[cumulative s spent in it from that caller, caller], ...k]]
+    (what ``builtins.compile`` or a hash update is called for, say)."""
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_, calls, own, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        by = sorted(((v[3], _label(*c)) for c, v in callers.items()), key=lambda r: -r[0])
+        rows.append([round(own, 3), calls, _label(file, line, fn),
+                     [[round(c, 3), w] for c, w in by[:k]]])
+    return sorted(rows, key=lambda r: -r[0])[:n]
+
+
 def _profile_first_load(pre: Any, prof: cProfile.Profile) -> None:
     """Profile the first Loaded.take that loads artifacts (it pays the one-time costs)."""
     real = pre.Loaded.take
@@ -369,6 +386,8 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         first_s = time.perf_counter() - t0
         age1 = process_age()
         new_modules = sorted(set(sys.modules) - modules0)
+        no_pyc = _bytecode.missing(new_modules, started_wall, skip_under=(
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),))
         if prof is not None:
             prof.disable()
         tracing, backend = seconds("bytecode_tracing"), seconds("OutputGraph.call_user_compiler")
@@ -399,6 +418,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         "profile": _top(prof) if prof is not None else [],
         "profile_first_load": _top(first_load) if first_load is not None else [],
         "profile_apply": _top(whole) if whole is not None else [],
+        "profile_apply_callers": _callers(whole) if whole is not None else [],
         "tracing_s": tracing, "backend_s": backend,
         "capture_s": capture,
         "rest_s": round(first_s - apply_s - tracing - backend - capture, 3),
@@ -406,9 +426,8 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         # frames dynamo traced: one "bytecode_tracing" entry each (counters["frames"] misses
         # fullgraph compiles, which skip the wrapper that counts them)
         "dynamo_frames": len(metrics.get("bytecode_tracing", [])),
-        "pyc_missing": _bytecode.missing(new_modules, started_wall, skip_under=(
-            os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),)),
-        "pyc_missing_before_apply": _bytecode.missing(sorted(modules0), started_wall),
+        "pyc_missing": len(no_pyc), "pyc_missing_some": no_pyc[:8],
+        "pyc_missing_before_apply": len(_bytecode.missing(sorted(modules0), started_wall)),
         "bytecode": os.environ.get("WARM_START_BYTECODE", "host"),
         "precompiled": cache.precompiled if cache else 0,
         "aoti_runners": getattr(cache, "aoti", 0) if cache else 0,
@@ -569,7 +588,7 @@ def table(results: list[dict[str, Any]]) -> str:
                     f"{r['frames_to_replay']}, modules imported from apply to it "
                     f"{r.get('imported')} ({r.get('pyc_missing')} with no .pyc to load; "
                     f"before apply {r.get('pyc_missing_before_apply')}; bytecode "
-                    f"{r.get('bytecode')})")
+                    f"{r.get('bytecode')}; some: {r.get('pyc_missing_some')})")
         if r["phase"] != "cold":
             rows.append(f"  heavy modules imported from apply to the first replay: "
                         f"{r.get('imported_heavy')}")
@@ -608,6 +627,12 @@ def _load_lines(r: dict[str, Any]) -> list[str]:
             rows.append(f"  {r['phase']}: profile of {what} (cumulative s, own s, calls, "
                         "function):")
             rows += [f"    {c:8.3f} {o:8.3f} {n:6} {w}" for c, o, n, w in r[key]]
+    if r.get("profile_apply_callers"):
+        rows.append(f"  {r['phase']}: apply_manifest's most own time, and who called it "
+                    "(own s, calls, function; cumulative s from each caller):")
+        for own, calls, where, by in r["profile_apply_callers"]:
+            rows.append(f"    {own:8.3f} {calls:6} {where}")
+            rows += [f"        <- {c:8.3f} {w}" for c, w in by]
     return rows
 
 

@@ -27,7 +27,7 @@ COUNT = textwrap.dedent('''
     import _bytecode
     t0 = _bytecode.process_start()
     import pkgx.mod, pkgx.lazy
-    print(json.dumps({"missing": _bytecode.missing(["pkgx", "pkgx.mod", "pkgx.lazy"], t0),
+    print(json.dumps({"missing": len(_bytecode.missing(["pkgx", "pkgx.mod", "pkgx.lazy"], t0)),
                       "prefix": sys.pycache_prefix}))
 ''')
 

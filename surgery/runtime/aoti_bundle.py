@@ -60,6 +60,7 @@ most one library. A zip that fails any of these is ignored with the bundle's one
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import shutil
@@ -161,16 +162,52 @@ def open_package(data: bytes, *, device: str, loader: str = LOADERS[0]) -> Any:
             os.rmdir(folder)
 
 
+# How the runner loader opens a package's library first (Linux): its own definitions before any
+# loaded library's (see _SoRunner). 0 where the platform has no such flag.
+DEEPBIND = getattr(os, "RTLD_DEEPBIND", 0)
+
+
+def open_deep_bound(lib: str) -> Any:
+    """``dlopen`` the library at ``lib`` so that its references bind to its own definitions
+    first (RTLD_DEEPBIND, every symbol resolved now); None where the platform has no such flag.
+    A later ``dlopen`` of the same path (torch's runner) gets this handle, bound this way."""
+    if not DEEPBIND:
+        return None
+    return ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_LOCAL | DEEPBIND)
+
+
+def _dlclose(handle: Any) -> None:
+    with contextlib.suppress(Exception):  # CPython's own binding; a leak at worst
+        import _ctypes  # optional: CPython's
+
+        _ctypes.dlclose(handle._handle)
+
+
 class _SoRunner:
     """The "runner" loader: the package's library run by torch's model-container runner
     directly (``AOTIModelContainerRunnerCuda`` / ``Cpu``), past the package loader, whose
     constructor is where torch 2.11 crashed on CUDA. The archive (checked by archive_problem)
     is unpacked here into a fresh ``mkdtemp`` folder, which stays until the runner is freed
     (kernel binaries are read at their first launch). It answers the package loader's calls
-    surgery makes: weights by fqn (mapped to the library's constant names), run, call spec."""
+    surgery makes: weights by fqn (mapped to the library's constant names), run, call spec.
 
-    def __init__(self, runner: Any, folder: str) -> None:
+    Deep-bound. The crash on torch 2.11 (H200, cuda-gdb) is in the ``std::regex`` the library's
+    constructor compiles to parse its device string (``parse_device_str``): code the library
+    instantiates from the C++ headers of the g++ that built it, and exports as weak symbols. So
+    do torch's own libraries (libc10, libtorch_cpu, libtorch_cuda, libtorch_python: 105-123
+    such symbols each on torch 2.14, built by torch's GCC 13) and Triton's. A library opened
+    normally binds its references to the first definition loaded, torch's, made from other
+    headers; where the two g++'s layouts differ, a call lands in the wrong code, which is the
+    crash's shape (a virtual call ending in ``codecvt::do_unshift``). That cause is a reading,
+    not yet shown on the H200 (benchmarks/aoti_cuda_probe.py's ``deepbind`` variant asks it).
+    Opened with RTLD_DEEPBIND first (``open_deep_bound``), the library runs its own copy. The
+    extra handle is closed with the runner (torch's own handle is the last)."""
+
+    def __init__(self, runner: Any, folder: str, handle: Any = None) -> None:
         self._runner = runner
+        self._handle = handle  # the deep-bound dlopen, kept open while the runner lives
+        if handle is not None:
+            weakref.finalize(self, _dlclose, handle)
         names = dict(runner.get_constant_names_to_original_fqns())  # constant name -> fqn
         self._by_fqn = {fqn: name for name, fqn in names.items()}
         weakref.finalize(self, shutil.rmtree, folder, True)
@@ -182,6 +219,7 @@ class _SoRunner:
                 z.extractall(folder)  # names checked: relative, no "..", no links, one top
             (lib,) = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files
                       if f.endswith(".so")]
+            handle = open_deep_bound(lib)
             aoti: Any = torch._C._aoti  # the 5-argument CUDA constructor is not in its stubs
             # run_single_threaded, as for the package loader
             runner = aoti.AOTIModelContainerRunnerCuda(lib, 1, device, os.path.dirname(lib),
@@ -190,7 +228,7 @@ class _SoRunner:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return cls(runner, folder)
+        return cls(runner, folder, handle)
 
     def get_constant_fqns(self) -> list[str]:
         return list(self._by_fqn)
