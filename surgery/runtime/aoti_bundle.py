@@ -59,6 +59,7 @@ most one library. A zip that fails any of these is ignored with the bundle's one
 
 from __future__ import annotations
 
+import _ctypes
 import contextlib
 import ctypes
 import io
@@ -177,10 +178,8 @@ def open_deep_bound(lib: str) -> Any:
 
 
 def _dlclose(handle: Any) -> None:
-    with contextlib.suppress(Exception):  # CPython's own binding; a leak at worst
-        import _ctypes  # optional: CPython's
-
-        _ctypes.dlclose(handle._handle)
+    with contextlib.suppress(Exception):  # CPython's own binding (POSIX); a leak at worst
+        _ctypes.dlclose(handle._handle)  # type: ignore[attr-defined]
 
 
 class _SoRunner:
