@@ -24,14 +24,18 @@ pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
 NEW = 8
 
 
-def applied(watch: bool = True) -> tuple[nn.Module, nn.Module, Any]:
-    """(tiny GPT-2 with its stack region applied on the CPU, an eager copy, the handle)."""
+def applied(watch: bool = True, dict_tags: bool = False) -> tuple[nn.Module, nn.Module, Any]:
+    """(tiny GPT-2 with its stack region applied on the CPU, an eager copy, the handle).
+    ``dict_tags``: dynamo's recursive dict tags on while it applies (torch 2.10/2.11's default,
+    off in 2.14's), which leaves no watch; off here by default so that the watch is tested on
+    every torch."""
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
     ids = ids_of(1)
     old, tree_guards.WATCH_TREES = tree_guards.WATCH_TREES, watch
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), \
+                torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=dict_tags):
             warnings.simplefilter("ignore")
             handle = apply_manifest(model, stack_plan(), overrides=ON_CPU, passes=1,
                                     warmup=lambda m: generate(m, ids, 2))
@@ -78,6 +82,26 @@ def test_the_stack_drops_its_module_tree_guards_and_keeps_eagers_tokens() -> Non
     assert guard_lines(group_of(model)) < 0.6 * guard_lines(group_of(full))
     rec = handle.report.by_path("transformer")
     assert rec.status == "compiled" and rec.compiles == 1, rec.reason
+
+
+def test_with_dynamos_recursive_dict_tags_on_the_stack_keeps_full_guards_and_says_so() -> None:
+    """torch 2.10/2.11 skip an unchanged module subtree by its dict tags, so a watch would only
+    add its own check (benchmarks/RESULTS.md, x19g): no watch, full guards, a note; tokens and
+    the recompile on a change are dynamo's own."""
+    model, ref, handle = applied(dict_tags=True)
+    rec = handle.report.by_path("transformer")
+    assert group_of(model).watch is None
+    assert tree_guards.DICT_TAGS_NOTE in rec.notes
+    assert rec.status == "compiled" and rec.compiles == 1, rec.reason
+    same_tokens(model, ref)
+    watched, _, whandle = applied()  # the same apply with the flag off: watched, no note
+    assert group_of(watched).watch is not None
+    assert tree_guards.DICT_TAGS_NOTE not in whandle.report.by_path("transformer").notes
+    with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
+        _set_eps(model)
+        _set_eps(ref)
+        same_tokens(model, ref)  # dynamo's own guard on eps recompiles
+    assert rec.compiles == 2
 
 
 def test_a_round_trip_through_train_keeps_the_watch_without_a_compile() -> None:
@@ -228,7 +252,9 @@ def test_on_cuda_the_watched_stack_replays_and_a_change_compiles_again() -> None
     (ln_f.eps) ends the watch, and the tokens follow eager's with the same change."""
     model = tiny_gpt2().cuda()
     ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
+    # the watch is off where dynamo's recursive dict tags are on (torch 2.11's default)
+    with warnings.catch_warnings(), \
+            torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=False):
         warnings.simplefilter("ignore")
         handle = apply_manifest(model, stack_plan())
     ids = ids_of(1).cuda()

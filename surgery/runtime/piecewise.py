@@ -89,7 +89,7 @@ from surgery.runtime.piecewise_stack import fallback_of, standby_reason, why_not
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
 from surgery.runtime.slots import _make_wrapper, first_line
-from surgery.runtime.tree_guards import compile_watched, watch_for
+from surgery.runtime.tree_guards import DICT_TAGS_NOTE, compile_watched, dict_tags_skip, watch_for
 
 _STABLE_CALLS = 2  # calls without a compile after which a path stops marking its cache
 # Default compile budget of a piecewise path: a list cache changes structure until it is full.
@@ -392,6 +392,8 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
                          else PIECEWISE_MAX_COMPILES, standby=fallback_of(region))
     slot.select = find_index_select(target, slot.names, [s.arg for s in sources if s.dim is None])
     rec.notes += [slot.select.note()] if slot.select is not None else []
+    if group.watch is None and bound and dict_tags_skip():  # tree_guards: dynamo's own tags
+        rec.notes.append(DICT_TAGS_NOTE)
     rec.signature_mode = "piecewise"
     rec.reason = standby_reason(slot.standby) if slot.standby is not None else rec.reason
     group.slots.append(slot)

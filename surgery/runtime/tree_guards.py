@@ -55,6 +55,19 @@ watch).
 
 Where the tag cannot be trusted (a Python whose dicts no longer move it: tested once on import,
 by mutating a dict), or dynamo has no ``guard_filter_fn``, nothing is dropped.
+
+**Not where dynamo already skips the tree by dict tags.** With
+``torch._dynamo.config.use_recursive_dict_tags_for_guards`` on (the default of torch 2.10 and
+2.11, the H200's torch; off in 2.14), dynamo marks each block's submodules as tag-safe roots and
+skips a root's whole subtree while the dict tags under it are unchanged: the guards this watch
+would drop are then nearly free, and the watch's own check is pure cost. Measured in the token's
+real run (benchmarks/cpu_stack_breakdown.py on torch 2.11.0, this project's CPU, x19g): the guard
+check 615 us a token watched plus the watch's own 218 us, against 636 us with dynamo's full
+guards; on the H200 the watched stack ran at 1.009 of the full-guard one (sixth session, call
+5). So ``watch_for`` gives no watch while that flag is on (``dict_tags_skip``), and the path's
+record says so (``DICT_TAGS_NOTE``). On torch 2.14 with the flag turned on by hand the watch
+would still have paid (821 against 1,061 us there): a rule on the flag alone gives that up, and
+is right on every torch's default.
 """
 
 from __future__ import annotations
@@ -94,6 +107,9 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, to
 _MAX_DEPTH = 32  # steps in a chain; GPT-2 small's deepest is 10
 # Watch single-path groups' module trees (False: dynamo's full guards everywhere, as before)
 WATCH_TREES = True
+# What a piecewise path's record says when dynamo's own dict tags guard its tree (no watch)
+DICT_TAGS_NOTE = ("dynamo's full guards (its recursive dict tags skip the unchanged module "
+                  "tree, so no tree watch: surgery.runtime.tree_guards)")
 
 
 def _tags_work() -> Callable[[dict[Any, Any]], int] | None:
@@ -375,13 +391,20 @@ def _tensor_check(tensors: list[torch.Tensor]) -> Any:
 _HAS_FILTER = hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
 
 
+def dict_tags_skip() -> bool:
+    """Does dynamo already skip unchanged module subtrees by recursive dict tags (then a watch
+    costs more than the guards it drops: see the docstring)?"""
+    return bool(getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", False))
+
+
 def watch_for(target: Callable[..., Any], bound: bool,
               root: Callable[[], nn.Module | None]) -> TreeWatch | None:
     """A watch for a group compiling ``target`` (called with its module first when bound), or
-    None where it cannot work: off, tags untrusted, no module argument, no guard filter hook."""
+    None where it cannot work or would not pay: off, tags untrusted, no module argument, no
+    guard filter hook, dynamo's recursive dict tags on."""
     code = getattr(target, "__code__", None)
     if not (WATCH_TREES and _HAS_FILTER and bound) or DICT_VERSION is None or code is None \
-            or code.co_argcount < 1:
+            or code.co_argcount < 1 or dict_tags_skip():
         return None
     return TreeWatch(root, code.co_varnames[0], scope=lambda: getattr(target, "__globals__", None))
 
