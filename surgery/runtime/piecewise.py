@@ -392,8 +392,7 @@ def install_piecewise(mod: nn.Module, name: str, rec: RegionRecord, region: Regi
                          else PIECEWISE_MAX_COMPILES, standby=fallback_of(region))
     slot.select = find_index_select(target, slot.names, [s.arg for s in sources if s.dim is None])
     rec.notes += [slot.select.note()] if slot.select is not None else []
-    if group.watch is None and bound and dict_tags_skip():  # tree_guards: dynamo's own tags
-        rec.notes.append(DICT_TAGS_NOTE)
+    rec.notes += [DICT_TAGS_NOTE] if group.watch is None and bound and dict_tags_skip() else []
     rec.signature_mode = "piecewise"
     rec.reason = standby_reason(slot.standby) if slot.standby is not None else rec.reason
     group.slots.append(slot)

@@ -56,18 +56,10 @@ watch).
 Where the tag cannot be trusted (a Python whose dicts no longer move it: tested once on import,
 by mutating a dict), or dynamo has no ``guard_filter_fn``, nothing is dropped.
 
-**Not where dynamo already skips the tree by dict tags.** With
-``torch._dynamo.config.use_recursive_dict_tags_for_guards`` on (the default of torch 2.10 and
-2.11, the H200's torch; off in 2.14), dynamo marks each block's submodules as tag-safe roots and
-skips a root's whole subtree while the dict tags under it are unchanged: the guards this watch
-would drop are then nearly free, and the watch's own check is pure cost. Measured in the token's
-real run (benchmarks/cpu_stack_breakdown.py on torch 2.11.0, this project's CPU, x19g): the guard
-check 615 us a token watched plus the watch's own 218 us, against 636 us with dynamo's full
-guards; on the H200 the watched stack ran at 1.009 of the full-guard one (sixth session, call
-5). So ``watch_for`` gives no watch while that flag is on (``dict_tags_skip``), and the path's
-record says so (``DICT_TAGS_NOTE``). On torch 2.14 with the flag turned on by hand the watch
-would still have paid (821 against 1,061 us there): a rule on the flag alone gives that up, and
-is right on every torch's default.
+**Not where dynamo already skips the tree** by recursive dict tags (its default in torch
+2.10/2.11, off in 2.14): the guards a watch drops are then nearly free and its own check is pure
+cost (torch 2.11, token's real run: 615 us of guards + 218 us of watch against 636 us of full
+guards; benchmarks/RESULTS.md, x19g), so ``watch_for`` gives none (the record: DICT_TAGS_NOTE).
 """
 
 from __future__ import annotations
@@ -107,9 +99,8 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, to
 _MAX_DEPTH = 32  # steps in a chain; GPT-2 small's deepest is 10
 # Watch single-path groups' module trees (False: dynamo's full guards everywhere, as before)
 WATCH_TREES = True
-# What a piecewise path's record says when dynamo's own dict tags guard its tree (no watch)
 DICT_TAGS_NOTE = ("dynamo's full guards (its recursive dict tags skip the unchanged module "
-                  "tree, so no tree watch: surgery.runtime.tree_guards)")
+                  "tree, so no tree watch: surgery.runtime.tree_guards)")  # a path's record
 
 
 def _tags_work() -> Callable[[dict[Any, Any]], int] | None:
@@ -138,9 +129,8 @@ DICT_VERSION = _tags_work()
 def immutable(value: Any, depth: int = 0) -> bool:
     if isinstance(value, _IMMUTABLE):
         return True
-    if isinstance(value, tuple | frozenset) and depth < 4:
-        return all(immutable(v, depth + 1) for v in value)
-    return False
+    return isinstance(value, tuple | frozenset) and depth < 4 and \
+        all(immutable(v, depth + 1) for v in value)
 
 
 def _plain_object(value: Any) -> bool:
@@ -324,8 +314,8 @@ class TreeWatch:
 
     def _root(self, module: nn.Module, name: str
               ) -> tuple[Any, list[tuple[dict[Any, Any], Any]], int] | None:
-        """Where a chain starts: the frame's module, or a global of the frame (its globals dict
-        watched); with the dicts read so far and where the steps begin in the name."""
+        """Where a chain starts (the module, or a frame global: its dict watched), the dicts
+        read so far, and where the steps begin in the name."""
         for prefix in (f"L['{self.arg}']", self.arg):
             if name.startswith(prefix):
                 return module, [], len(prefix)
@@ -347,10 +337,8 @@ _MISSING = object()
 
 
 class _Read:
-    """What the dropped guards read of one dict: its keys (a key or length guard on the object
-    that owns it), and the items at the keys a chain steps through (so that a module's globals
-    may change elsewhere: dynamo sets a flag there while it compiles; a block may store a new
-    cache tensor in its own dict every step)."""
+    """What dropped guards read of a dict: its keys (key/length guards), and the items at the
+    keys chains step through (elsewhere it may change: dynamo's compile flag, a new cache)."""
 
     def __init__(self, d: dict[Any, Any]) -> None:
         self.d = d
@@ -374,34 +362,29 @@ _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_un
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    """What TENSOR_MATCH checks of a tensor, as Python values (to tell a change from a new
-    dispatch state, e.g. inference_mode, under which the C check reads other keys)."""
+    """TENSOR_MATCH's facts as Python values (a change, or a new dispatch state: inference)."""
     return (type(t), t.dtype, t.device, t.layout, tuple(t.shape), t.stride(), t.requires_grad)
 
 
 def _tensor_check(tensors: list[torch.Tensor]) -> Any:
     """dynamo's TENSOR_MATCH of each tensor, static sizes and strides, in this dispatch state."""
     assert TensorGuards is not None
-    sizes: list[Any] = [list(t.shape) for t in tensors]
-    strides: list[Any] = [list(t.stride()) for t in tensors]
-    return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
 
 
-# torch.compile takes a guard_filter_fn from 2.8 on (these helpers came with it)
-_HAS_FILTER = hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+_HAS_FILTER = hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")  # guard filters: 2.8
 
 
 def dict_tags_skip() -> bool:
-    """Does dynamo already skip unchanged module subtrees by recursive dict tags (then a watch
-    costs more than the guards it drops: see the docstring)?"""
+    """Does dynamo skip unchanged module subtrees by recursive dict tags (then no watch)?"""
     return bool(getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", False))
 
 
 def watch_for(target: Callable[..., Any], bound: bool,
               root: Callable[[], nn.Module | None]) -> TreeWatch | None:
     """A watch for a group compiling ``target`` (called with its module first when bound), or
-    None where it cannot work or would not pay: off, tags untrusted, no module argument, no
-    guard filter hook, dynamo's recursive dict tags on."""
+    None: off, tags untrusted, no module argument or guard filter hook, dynamo's dict tags."""
     code = getattr(target, "__code__", None)
     if not (WATCH_TREES and _HAS_FILTER and bound) or DICT_VERSION is None or code is None \
             or code.co_argcount < 1 or dict_tags_skip():
