@@ -80,6 +80,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 STARTED = time.perf_counter()
 import _bytecode  # noqa: E402
+import _hashes  # noqa: E402
 from _arms import child_result, latency, time_call  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
@@ -359,6 +360,8 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     age0 = process_age()
     started_wall = _bytecode.process_start()  # for the bytecode count
     modules0 = set(sys.modules)
+    hashes = _hashes.HashSpy()  # who hashes from apply to the first replay, and on which thread
+    hashes.__enter__()
     t0 = time.perf_counter()
     with torch.inference_mode():
         if whole is not None:
@@ -384,6 +387,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
                 replayed = True
                 break
         first_s = time.perf_counter() - t0
+        hashes.__exit__(None, None, None)
         age1 = process_age()
         new_modules = sorted(set(sys.modules) - modules0)
         no_pyc = _bytecode.missing(new_modules, started_wall, skip_under=(
@@ -426,6 +430,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         # frames dynamo traced: one "bytecode_tracing" entry each (counters["frames"] misses
         # fullgraph compiles, which skip the wrapper that counts them)
         "dynamo_frames": len(metrics.get("bytecode_tracing", [])),
+        "hashing": hashes.top(),
         "pyc_missing": len(no_pyc), "pyc_missing_some": no_pyc[:8],
         "pyc_missing_before_apply": len(_bytecode.missing(sorted(modules0), started_wall)),
         "bytecode": os.environ.get("WARM_START_BYTECODE", "host"),
@@ -468,9 +473,11 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 # What a discovery process imports for ``--pyc`` (its packages are then compiled whole): what
 # every timed process imports, plus the model's package.
+# (The manifest's schema check and writer import jsonschema and tomli_w inside a function.)
 _BYTECODE_IMPORTS = ("torch", "surgery.runtime.apply", "surgery.runtime.precompiled",
                      "surgery.examples", "torch._inductor.compile_fx",
-                     "torch._inductor.select_algorithm", "_arms", "gpu_zoo")
+                     "torch._inductor.select_algorithm", "_arms", "_bytecode", "_hashes", "gpu_zoo",
+                     "jsonschema", "tomli_w")
 _MODEL_IMPORTS = {"hf_bert": ("transformers.models.bert.modeling_bert",),
                   "flux": ("diffusers.models.transformers.transformer_flux",), "sdpa": ()}
 
@@ -610,6 +617,9 @@ def _load_lines(r: dict[str, Any]) -> list[str]:
     if r.get("before_apply"):
         rows.append(f"  before apply_manifest ({r['before_apply_s']} s since the process "
                     f"started), s: {r['before_apply']}")
+    if r.get("hashing"):
+        rows.append("  hashing from apply to the first replay (s, MB, objects, [thread] caller): "
+                    + "; ".join(f"{s} s {mb} MB x{n} {w}" for s, mb, n, w in r["hashing"][:6]))
     if r.get("apply_parts"):
         rows.append(f"  apply_manifest's parts (s): {r['apply_parts']}")
     if setup := r.get("loader_setup"):
