@@ -25,11 +25,12 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   as before v19s: no piece shared across input strides (runtime/piece_restride)
                   and no light piece across regions (piece_cache.PieceWork): what they cut (ask
                   for it with --arms)
-  sdpa_piecewise_light  sdpa_piecewise with the piecewise regions and the frame blocks (which
-                  share their pieces: runtime/shared_pieces) on aot_eager (`[region.compile]
-                  backend`), still captured as region graphs: the RopeBlock's and the trunk's
-                  pieces build no inductor code (about 5.5 s of the arm's cold start on the H200),
-                  and what the step loses without their fusion (an experiment: ask with --arms)
+  sdpa_piecewise_fused  sdpa_piecewise with its pieces built by inductor, as before x19s: the
+                  planner's light pieces (planning/streaming.light_pieces_plan: the piecewise
+                  regions and the frame blocks, which share their pieces, on aot_eager under
+                  region capture) undone, so what the light pieces cost in speed and save in cold
+                  start (ask for it with --arms). The arm sdpa_piecewise_light of w19s measured
+                  what is now sdpa_piecewise itself.
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
@@ -129,7 +130,7 @@ from _host_profile import host_profile  # noqa: E402
 
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
-        "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_light",
+        "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_fused",
         "gpt2_eager", "gpt2_piecewise",
         "gpt2_stack",
         "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards")
@@ -138,7 +139,7 @@ DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_noselect",
                                                   "sdpa_piecewise_lightfusion",
                                                   "sdpa_piecewise_trunkfull",
-                                                  "sdpa_piecewise_light", "gpt2_ab",
+                                                  "sdpa_piecewise_fused", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
                                                   "gpt2_ab_fused", "gpt2_ab_guards"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
@@ -179,8 +180,15 @@ def _overrides(cuda: bool) -> dict[str, Any] | None:
     if cuda:
         backend = os.environ.get("GPU_PIECEWISE_BACKEND")
         return {"backend": backend} if backend else None
-    return {"on_cpu": "compile",
-            "backend": os.environ.get("GPU_PIECEWISE_CPU_BACKEND", "aot_eager")}
+    return {"on_cpu": "compile"}
+
+
+def _cpu_backend(manifest: Any, cuda: bool) -> None:
+    """Without CUDA, the plan's backend (manifest [compile]) is the CPU one: an override would
+    also replace what a region names (the planner's light pieces), so it is set here instead."""
+    if not cuda:
+        manifest.compile = {**manifest.compile,
+                            "backend": os.environ.get("GPU_PIECEWISE_CPU_BACKEND", "aot_eager")}
 
 
 def _as_before() -> None:
@@ -199,6 +207,20 @@ def _trunk_full() -> None:
 
     piece_cache.PieceCache._restrided = lambda self, gm, key, *a: (None, key)  # type: ignore
     piece_cache.PieceWork.light = lambda self, g, p, pieces: [False] * len(pieces)  # type: ignore
+
+
+def _fused(manifest: Any) -> None:
+    """Undo the planner's light pieces (planning/streaming.light_pieces_plan): the regions it
+    set to its light backend compile with the plan's backend again."""
+    from surgery.runtime.compile_start import LIGHT_PIECE_BACKEND
+
+    undone = 0
+    for r in manifest.regions:
+        if r.compile.get("backend") == LIGHT_PIECE_BACKEND:
+            r.compile = {k: v for k, v in r.compile.items() if k != "backend"}
+            undone += 1
+    if not undone:
+        raise RuntimeError("the plan has no light-piece region to build with inductor")
 
 
 def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:
@@ -367,10 +389,8 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
             for r in manifest.regions:
                 if r.module_class == "FusionBlock":
                     r.compile = {**r.compile, "backend": "aot_eager"}
-        if arm == "sdpa_piecewise_light":  # the streaming blocks' pieces traced, not built
-            for r in manifest.regions:
-                if r.kind in ("piecewise", "frame_block"):
-                    r.compile = {**r.compile, "backend": "aot_eager"}
+        if arm == "sdpa_piecewise_fused":  # the pieces built by inductor, as before x19s
+            _fused(manifest)
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["regions"] = paths_per_kind(manifest)
         # The coverage target is the piecewise plan's; names has its figure too, and every
@@ -382,6 +402,7 @@ def run_sdpa(arm: str, n_frames: int) -> dict[str, Any]:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         timeline = CompileTimeline().start()
+        _cpu_backend(manifest, cuda)
         handle = apply_manifest(model, manifest, warmup=step, overrides=_overrides(cuda))
     elif cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -459,6 +480,7 @@ def _gpt2_plan(arm: str, model: Any, ids: Any, out: dict[str, Any]) -> Any:
 def _apply_gpt2(model: Any, manifest: Any, ids: Any, cuda: bool) -> Any:
     from surgery import apply_manifest
 
+    _cpu_backend(manifest, cuda)
     return apply_manifest(model, manifest, warmup=lambda m: _generate(m, ids, 8), passes=2,
                           overrides=_overrides(cuda))
 

@@ -107,12 +107,13 @@ def test_the_trunks_piece_before_attention_compiles_light_beside_the_global_bloc
     assert sum(r.pieces_restrided for r in trunk) == 1
 
 
-def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
+def test_the_planned_light_pieces_share_and_replay(
         fake_cuda: FakeCapturer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """gpu_piecewise's arm ``sdpa_piecewise_light``: an inductor plan whose piecewise regions and
-    frame blocks say ``backend = "aot_eager"`` under region capture (the stand-in capturer). Every
-    piece compiles with aot_eager, never the plan's inductor; the frame blocks and the global
-    blocks still share one compile per piece; every path replays; outputs stay eager's over 20
+    """The piecewise plan as planned (planning/streaming.light_pieces_plan: its piecewise regions
+    and frame blocks say ``backend = "aot_eager"`` on an inductor plan under region capture; the
+    stand-in capturer), which is what w19s's arm ``sdpa_piecewise_light`` measured. Every piece
+    compiles with aot_eager, never the plan's inductor; the frame blocks and the global blocks
+    still share one compile per piece; every path replays; outputs stay eager's over 20
     frames."""
     plan_built: list[int] = []
     real = PiecewiseGroup._compile_piece
@@ -122,7 +123,8 @@ def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
         return real(self, gm, example)
 
     monkeypatch.setattr(PiecewiseGroup, "_compile_piece", compile_piece)
-    handle = _stream_piecewise_sdpa(frames=20, region_backend="aot_eager")  # trunk's window: 17
+    handle = _stream_piecewise_sdpa(frames=20, region_backend=None)  # trunk's window: 17
+    assert {handle.report.by_path(p).backend for p in (*TRUNK, *GLOBAL)} == {"aot_eager"}
     recs = [handle.report.by_path(p) for p in (*TRUNK, *GLOBAL)]
     assert all(r.status == "compiled" for r in recs), [r.reason for r in recs]
     assert plan_built == [False, False, False], plan_built  # RopeBlock's two, the trunk's one
@@ -136,10 +138,11 @@ def test_streaming_and_frame_blocks_on_aot_eager_share_pieces_and_replay(
     assert all(r.cuda_graph_replays > 0 for r in (*recs, *frames))
 
 
-def _stream_piecewise_sdpa(frames: int, region_backend: str | None = None) -> Any:
+def _stream_piecewise_sdpa(frames: int, region_backend: str | None = "inductor") -> Any:
     """The tiny SDPA example's piecewise and frame-block regions on an inductor plan (each
-    region on ``region_backend`` where given), deployed, then ``frames`` frames streamed under
-    bf16 autocast, each output checked against an eager twin's. Returns the apply handle."""
+    region on ``region_backend``; None: as planned, light pieces), deployed, then ``frames``
+    frames streamed under bf16 autocast, each output checked against an eager twin's. Returns
+    the apply handle."""
     from surgery.examples import tiny_sdpa
 
     torch.manual_seed(0)
@@ -161,3 +164,49 @@ def _stream_piecewise_sdpa(frames: int, region_backend: str | None = None) -> An
             for k in want:
                 torch.testing.assert_close(got[k], want[k])
     return handle
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_planned_light_pieces_build_no_inductor_code_and_replay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny SDPA example's piecewise plan as planned, deployed with its defaults on CUDA
+    (region capture): no piece goes to inductor (every one compiles aot_eager), the frame blocks
+    and the streaming blocks share them, every path replays its graphs, and 20 streamed frames,
+    the trunk's cache and the held k and v stay within bf16 tolerance of eager."""
+    from surgery.examples import tiny_sdpa
+
+    built: list[str] = []
+    real = PiecewiseGroup._compile_piece
+
+    def compile_piece(self: PiecewiseGroup, gm: fx.GraphModule, example: list[Any]) -> Any:
+        built.append(self.plan.backend)
+        return real(self, gm, example)
+
+    monkeypatch.setattr(PiecewiseGroup, "_compile_piece", compile_piece)
+    torch.manual_seed(0)
+    model = tiny_sdpa().cuda().eval()
+    ref = copy.deepcopy(model)
+    manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, manifest)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for s in range(20):
+            x = model.example_input(seed=s)
+            got, want = model(x), ref(x)
+            for k in want:
+                torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2e-2,
+                                           atol=2e-2)
+    for mine, theirs in zip(model.camera_head.kv_cache, ref.camera_head.kv_cache, strict=True):
+        torch.testing.assert_close(torch.stack(mine).float(), torch.stack(theirs).float(),
+                                   rtol=2e-2, atol=2e-2)
+    frames = [handle.report.by_path(f"aggregator.frame_blocks.{i}") for i in (0, 1)]
+    recs = [handle.report.by_path(p) for p in (*TRUNK, *GLOBAL)]
+    detail = [(r.path, r.status, r.backend, r.pieces_compiled, r.pieces_shared,
+               r.cuda_graph_replays) for r in (*frames, *recs)]
+    assert all(r.status == "compiled" and r.backend == "aot_eager" for r in (*frames, *recs)), \
+        detail
+    assert built and set(built) == {"aot_eager"}, built  # no inductor build of any piece
+    assert sum(r.pieces_compiled for r in (*frames, *recs)) == 3, detail  # RopeBlock 2, trunk 1
+    assert all(r.cuda_graph_replays > 0 for r in (*frames, *recs)), detail
+    handle.restore()

@@ -12,8 +12,13 @@ from click.testing import CliRunner
 
 from surgery.cli import cli
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
-from surgery.planning.plan import plan_model
-from surgery.planning.streaming import INDEXED_GRAPHS_PER_INSTANCE
+from surgery.planning.plan import compile_defaults, plan_model
+from surgery.planning.streaming import (
+    INDEXED_GRAPHS_PER_INSTANCE,
+    LIGHT_PIECE_BACKEND,
+    light_pieces_plan,
+)
+from surgery.runtime import compile_start
 from surgery.runtime.apply import apply_manifest
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -35,13 +40,16 @@ def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> No
                                             "aggregator.global_blocks.1"]
     assert pw[0].piecewise == {"split_ops": ["scaled_dot_product_attention"],
                                "dynamic": ["self.attn.kv_cache"]}
-    assert pw[0].compile == {}  # one set of graphs shared by the instances: the default budget
+    # one set of graphs shared by the instances: the default budget; light pieces under region
+    # capture (planning/streaming.light_pieces_plan)
+    assert pw[0].compile == {"backend": LIGHT_PIECE_BACKEND}
     # the camera trunk takes a per-instance index, which only selects its slot: the instances
     # share their graphs (runtime/index_select), with the per-instance budget on the region
     assert pw[1].paths == ["camera_head.trunk.0", "camera_head.trunk.1"]
     assert pw[1].piecewise == {"split_ops": ["scaled_dot_product_attention"],
                                "dynamic": ["cache"]}
-    assert pw[1].compile == {"max_signatures": INDEXED_GRAPHS_PER_INSTANCE}
+    assert pw[1].compile == {"max_signatures": INDEXED_GRAPHS_PER_INSTANCE,
+                             "backend": LIGHT_PIECE_BACKEND}
     paths = [p for r in m.regions for p in r.paths]
     assert not any(p.startswith(("aggregator.global_blocks.", "camera_head.trunk."))
                    and p.count(".") > 2 for p in paths)  # attn.proj, mlp are inside now
@@ -50,7 +58,7 @@ def test_names_plan_makes_sdpa_streaming_blocks_piecewise_and_they_apply() -> No
         left["aggregator.global_blocks.0.attn.proj"]
     assert "inside piecewise region camera_head.trunk.1" in left["camera_head.trunk.1.mlp"]
     assert "camera_head.trunk.0" not in left
-    assert "4 streaming block(s) planned piecewise" in result.notes[-1]
+    assert any("4 streaming block(s) planned piecewise" in n for n in result.notes)
 
     from surgery.examples import tiny_sdpa
 
@@ -202,6 +210,34 @@ def test_cli_piecewise_needs_a_live_model(tmp_path: object) -> None:
     assert "--piecewise needs a live model" in res.output
 
 
+def test_piecewise_plan_compiles_its_pieces_light_under_region_capture() -> None:
+    """The piecewise regions, and the ordinary region of their class that shares their pieces
+    (the frame blocks, RopeBlock), compile with the light backend under region capture; the other
+    regions, the names-only plan and a plan with the compiler's own graphs keep inductor; a region
+    that names its backend keeps it."""
+    result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
+    backends = {(r.kind, r.module_class): r.compile.get("backend")
+                for r in result.manifest.regions}
+    assert backends == {("frame_block", "RopeBlock"): LIGHT_PIECE_BACKEND,
+                        ("piecewise", "RopeBlock"): LIGHT_PIECE_BACKEND,
+                        ("piecewise", "CameraBlock"): LIGHT_PIECE_BACKEND,
+                        ("patch_embed_block", "VitBlock"): None,
+                        ("repeated_block", "FusionBlock"): None}, backends
+    assert any("3 region(s) compile aot_eager (light pieces)" in n for n in result.notes)
+    assert LIGHT_PIECE_BACKEND == compile_start.LIGHT_PIECE_BACKEND  # one light backend
+    names = plan_model("surgery.examples:tiny_sdpa").manifest
+    assert all("backend" not in r.compile for r in names.regions)  # names-only: unchanged
+    compiler = plan_model("surgery.examples:tiny_sdpa", piecewise=True,
+                          compile=compile_defaults(capture="compiler")).manifest
+    assert all("backend" not in r.compile for r in compiler.regions)  # no region graphs
+    # a region that names its backend keeps it; the rule adds no second note
+    m = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    for r in m.regions:
+        r.compile = {**r.compile, "backend": "inductor"}
+    assert light_pieces_plan(m) == []
+    assert {r.compile["backend"] for r in m.regions} == {"inductor"}
+
+
 def test_golden_piecewise_manifest_reads_back() -> None:
     """The [region.piecewise] layout of tests/golden (make golden) keeps reading."""
     import os
@@ -216,7 +252,8 @@ def test_golden_piecewise_manifest_reads_back() -> None:
                                          "dynamic": ["self.attn.kv_cache"]}
     assert pw["CameraBlock"].piecewise == {"split_ops": ["scaled_dot_product_attention"],
                                            "dynamic": ["cache"]}
-    assert pw["CameraBlock"].compile == {"max_signatures": 20}
+    assert pw["CameraBlock"].compile == {"max_signatures": 20, "backend": "aot_eager"}
+    assert pw["RopeBlock"].compile == {"backend": "aot_eager"}  # light pieces (x19s)
 
 
 def test_evidence_plan_makes_the_growing_cache_blocks_piecewise() -> None:

@@ -32,6 +32,33 @@ cannot be located. Regions inside a block that becomes piecewise (its
 ``fixed_part``/``attn_proj`` children, evidence regions) are dropped: no region lies inside
 another; the block's region covers them.
 
+**Light pieces under region capture** (``light_pieces_plan``). With ``capture = "region"``
+(the default) and the inductor backend, a piecewise region, and every ordinary region of the
+same module class (it shares the piecewise region's pieces at run time,
+surgery.runtime.shared_pieces, which needs the same backend), compile with
+``LIGHT_PIECE_BACKEND`` (``aot_eager``: dynamo's and AOTAutograd's trace, no kernel build) as a
+``[region.compile] backend``, written into the manifest where a reviewer sees it. The rule is
+about the cold start, and it holds for any model, because of where a piecewise plan's speed
+comes from: each piece replays as one CUDA graph, so the host work between the pieces, which
+the names-only plan pays for every op it leaves eager, is gone whatever compiled the piece;
+inductor adds the fusion of each piece's own kernels on top. The pieces, though, are the
+compiles the names-only plan does not make, or makes whole: one block split at attention is
+two inductor compiles with their own fixed costs, where the names-only plan compiled that
+class once (on the H200, the SDPA example's pieces took 5.5 s against 2.7 s for its frame block
+whole). So with inductor the piecewise plan's cold start came out behind the names-only plan's
+(41.6 against 32.9 s), and with light pieces ahead of it in one call (37.5 against 40.5 s) at
+1.82x its speed (27.2 against 49.5 ms a frame) and 95% coverage. What it costs is that fusion:
+the same plan with inductor pieces ran 2.8-3.5x names-only in another call. A user who pays the
+cold start for it sets ``backend = "inductor"`` on the region's compile table (kept as given:
+the planner never overrides a backend a region names). Without region capture, aot_eager's
+per-op launches would cost the host what inductor saves, so nothing changes there. A decoder
+stack (surgery.planning.stacks: GPT-2's ``transformer``) and the blocks standing by for it keep
+the plan's backend: their pieces are weighed one by one at run time by
+surgery.runtime.compile_start (a piece under a tenth of its graph's work, or launch-bound by
+size, compiles light; GPT-2's decode at batch 1 builds no inductor code that way), which knows
+the pieces' sizes, where a plan made from names does not; a prefill-sized step keeps its
+middle piece's fusion there.
+
 The runtime decides what a name cannot: a graph break or a branch on the cache length makes
 the block run eager with the reason in its record (never a crash).
 """
@@ -44,6 +71,7 @@ from typing import Any
 
 from surgery.formats.manifest import (
     PIECEWISE_DEFAULT_SPLIT_OPS,
+    PIECEWISE_FALLBACK_FOR,
     PIECEWISE_KIND,
     LeftOut,
     Manifest,
@@ -55,6 +83,9 @@ from surgery.planning.stacks import counted_regions, plan_stacks
 from surgery.planning.view import ModelView
 from surgery.runtime.index_select import find_index_select
 
+# What light pieces compile with: runtime.compile_start's LIGHT_PIECE_BACKEND (not imported from
+# there: that module imports torch, which `surgery plan` of a checkpoint must not pay for).
+LIGHT_PIECE_BACKEND = "aot_eager"
 # The dim that grows in a transformers Cache's tensors: (batch, heads, length, head_dim).
 HF_CACHE_LENGTH_DIM = 2
 # How deep the search for cache attributes goes below the block (attn.kv_cache is one level).
@@ -189,6 +220,7 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
             parameters=params, compile=budget,
             piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(found)}))
     notes = plan_stacks(manifest, view) if chosen else []
+    notes += light_pieces_plan(manifest) if chosen else []
     manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
     if chosen:
         manifest.model["covered_parameters"] = _covered(manifest, view)
@@ -202,6 +234,35 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
     else:
         notes.append("--piecewise: the plan left out no streaming block, so nothing is piecewise")
     return notes
+
+
+def light_pieces_plan(manifest: Manifest) -> list[str]:
+    """Under region capture with inductor, make the piecewise regions and the ordinary regions
+    of their classes compile with ``LIGHT_PIECE_BACKEND``, in place (see the module docstring);
+    a region that names its own backend keeps it. Returns the plan's note (one, or none)."""
+    plan = manifest.compile
+    if plan.get("capture") != "region" or plan.get("backend", "inductor") != "inductor" or \
+            plan.get("mode") is not None:
+        return []
+    stacks = {p for r in manifest.regions for p in (r.piecewise or {}).get(
+        PIECEWISE_FALLBACK_FOR, ())}
+    blocks = [r for r in manifest.regions if r.kind == PIECEWISE_KIND and not
+              stacks.intersection(r.paths) and PIECEWISE_FALLBACK_FOR not in (r.piecewise or {})]
+    classes = {r.module_class for r in blocks if r.module_class is not None}
+    light = [r for r in manifest.regions if "backend" not in r.compile and
+             (r in blocks or (r.kind != PIECEWISE_KIND and r.callable == "forward"
+                              and r.module_class in classes))]
+    for region in light:
+        region.compile = {**region.compile, "backend": LIGHT_PIECE_BACKEND}
+    if not light:
+        return []
+    shared = sum(1 for r in light if r.kind != PIECEWISE_KIND)
+    also = f" and {shared} region(s) sharing their pieces" if shared else ""
+    return [f"{len(light)} region(s) compile {LIGHT_PIECE_BACKEND} (light pieces): the "
+            f"piecewise region(s){also}"
+            "; each piece replays as a CUDA graph, so the step keeps its capture and loses only "
+            "inductor's fusion inside the pieces, for a cold start under the names-only plan's "
+            "(set backend = \"inductor\" in a region's [region.compile] for the fusion)"]
 
 
 def _owner(region: Region, path: str) -> str:
