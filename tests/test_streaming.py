@@ -230,6 +230,12 @@ def test_piecewise_plan_compiles_its_pieces_light_under_region_capture() -> None
     compiler = plan_model("surgery.examples:tiny_sdpa", piecewise=True,
                           compile=compile_defaults(capture="compiler")).manifest
     assert all("backend" not in r.compile for r in compiler.regions)  # no region graphs
+    bare = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    for r in bare.regions:
+        r.compile = {k: v for k, v in r.compile.items() if k != "backend"}
+    bare.compile = {**bare.compile, "capture": "compiler"}  # the compiler's graphs, no mode
+    assert light_pieces_plan(bare) == []
+    assert all("backend" not in r.compile for r in bare.regions)
     # a region that names its backend keeps it; the rule adds no second note
     m = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
     for r in m.regions:
