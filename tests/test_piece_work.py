@@ -187,6 +187,8 @@ def test_on_cuda_the_planned_light_pieces_build_no_inductor_code_and_replay(
     model = tiny_sdpa().cuda().eval()
     ref = copy.deepcopy(model)
     manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
+    # the regions the rule touches (the others would only add inductor builds to the test)
+    manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         handle = apply_manifest(model, manifest)
