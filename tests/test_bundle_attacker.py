@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -44,7 +45,7 @@ PAYLOAD_SRC = textwrap.dedent('''
 # The deploying process: builds a genuine bundle (aot_eager, precompiled part), then, for each
 # attack, writes the attacker's bundle in its place and deploys a new model from it.
 ATTACK_SRC = textwrap.dedent('''
-    import json, os, pickle, stat, struct, sys, warnings
+    import json, os, pathlib, pickle, sys, warnings
     import torch
     import premod, payloadmod
     from bundle_support import EMPTY_BLOB, KEY, torch_cache_blob
@@ -89,6 +90,8 @@ ATTACK_SRC = textwrap.dedent('''
         bundle.write_bundle("net.surgery.cache", mega + art, meta, key=key)
 
     def attack(tag):
+        # a cache folder of its own for each attack, so that one's planted entry is not another's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath("inductor-" + tag)
         if tag == "attacker-key":  # knows the layout and the record, signs with their own key
             payload_bundle(tag, key=ATTACKER_KEY)
         elif tag == "edited":  # the genuine signature kept, the contents replaced
@@ -111,7 +114,6 @@ ATTACK_SRC = textwrap.dedent('''
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared
         elif tag == "control":  # genuine and fitting: the payloads are reached
             payload_bundle(tag)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath("private-inductor")
         torch._dynamo.reset()
         EVENTS.clear()
         model = premod.build().eval()
@@ -128,12 +130,11 @@ ATTACK_SRC = textwrap.dedent('''
                 WATCH[0] = False
         loaded = h.report.cache.loaded
         h.restore()
-        cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
-        planted = [str(p) for p in __import__("pathlib").Path(cache_dir).rglob("fevil*")] \\
-            if cache_dir else []
+        cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        planted = [str(p) for p in pathlib.Path(cache_dir).rglob("fevil*")]
         return {"warnings": [str(w.message) for w in caught
                              if issubclass(w.category, SurgeryWarning)],
-                "events": [e for e in EVENTS if "payloadmod" in e[1] or e[0] == "ctypes.dlopen"],
+                "events": list(EVENTS),
                 "markers": sorted(p for p in os.listdir(".") if p.startswith(tag + ".")),
                 "planted": planted, "loaded": loaded, "same": torch.equal(got, want)}
 
@@ -196,6 +197,7 @@ def test_control_a_genuine_bundle_with_payloads_runs_them(attacked) -> None:
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_an_attackers_bundle_is_refused_before_anything_is_unpickled(attacked, attack) -> None:
     got = attacked[attack]
+    # not the payload's global, and no other either: nothing at all was unpickled or dlopened
     assert got["events"] == [], f"{attack}: unpickled or dlopened: {got['events']}"
     assert got["markers"] == [] and got["planted"] == [], got
     assert got["loaded"] is False and got["same"] is True
@@ -261,7 +263,7 @@ def _hostile(tmp_path: Path) -> dict[str, Path]:
 
     def raw(name: str, text: bytes, blob: bytes, *, key: bytes, lengths: bytes | None = None
             ) -> None:
-        n = lengths or bundle.struct.pack("<QQ", len(text), len(blob))
+        n = lengths or struct.pack("<QQ", len(text), len(blob))
         tag = signing.mac(key, bundle.MAGIC, n, text, blob)
         out[name] = tmp_path / f"{name}.surgery.cache"
         out[name].write_bytes(bundle.MAGIC + n + tag + text + blob)
@@ -269,22 +271,35 @@ def _hostile(tmp_path: Path) -> dict[str, Path]:
     body = os.urandom(100_000)
     raw("forged", json.dumps(meta).encode(), body, key=ATTACKER_KEY)
     raw("promises-a-terabyte", b"{}", body, key=ATTACKER_KEY,
-        lengths=bundle.struct.pack("<QQ", 2, 2**40))
+        lengths=struct.pack("<QQ", 2, 2**40))
     raw("signed-deep-json", b"[" * 50_000 + b"]" * 50_000, b"", key=KEY)
     # 100 KB of artifact framing, signed: 2500 tiny artifacts, each key checked
     many = torch_cache_blob([("autotune", [(f"ab/{i:06d}.best_config", b"{}")
                                           for i in range(2500)])])
-    raw("signed-many-artifacts", json.dumps(meta).encode(), many, key=KEY)
-    # a signed precompiled index claiming a million entries in 100 KB
-    pre = {**meta, "format": 3, "precompiled": {"format": 1, "bytes": 0, "notes": [],
-                                                "entries": [{"group": "g"}] * 8000}}
-    raw("signed-huge-index", json.dumps(pre).encode(), EMPTY_BLOB, key=KEY)
+    # (built for another torch: the framing and every key are read, then the record does not
+    # fit, so none reaches torch; a fitting one is the key holder's, loaded by torch)
+    out["signed-many-artifacts"] = tmp_path / "signed-many-artifacts.surgery.cache"
+    bundle.write_bundle(str(out["signed-many-artifacts"]), many,
+                        {**meta, "env": {**meta["env"], "torch": "2.99.0"}}, key=KEY)
+    # a signed precompiled index of 12000 entries in 100 KB (the reader allows 4096)
+    pre = {**meta, "format": 3, "precompiled": {"format": 1, "bytes": 8000, "notes": [],
+                                                "entries": [{}] * 12_000}}
+    out["signed-huge-index"] = tmp_path / "signed-huge-index.surgery.cache"
+    bundle.write_bundle(str(out["signed-huge-index"]), EMPTY_BLOB + b"x" * 8000, pre, key=KEY)
     return out
+
+
+# How far each gets: the forged ones not past the MAC, the signed ones to the check they fail.
+WHY_HOSTILE = {"forged": "signature does not verify", "promises-a-terabyte": "beyond the limit",
+               "signed-deep-json": "corrupt metadata",
+               "signed-many-artifacts": "torch 2.99.0 when built",
+               "signed-huge-index": "refused"}
 
 
 def test_a_100kb_hostile_bundle_is_refused_in_little_time_and_memory(tmp_path,
                                                                      monkeypatch) -> None:
     monkeypatch.setenv(signing.ENV_KEY, KEY_HEX)
+    monkeypatch.setenv(private_dirs.INDUCTOR_DIR_ENV, str(tmp_path / "inductor"))
     manifest = Manifest("sha256:" + "0" * 64, [Region("lin", ["a"])])
     for name, path in _hostile(tmp_path).items():
         assert path.stat().st_size < 200_000
@@ -295,5 +310,6 @@ def test_a_100kb_hostile_bundle_is_refused_in_little_time_and_memory(tmp_path,
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert opened.loaded is False and opened.reason, name
+        assert WHY_HOSTILE[name] in opened.reason, (name, opened.reason)
         assert took < 2.0, f"{name}: {took:.2f} s"
         assert peak < 32 * 2**20, f"{name}: {peak / 2**20:.1f} MiB"

@@ -5,6 +5,7 @@ at its cache-dependent ops, its fixed-shape pieces run as region graphs. CPU tes
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import Any
 
@@ -303,3 +304,37 @@ def test_gpt2_generate_tokens_identical_and_decode_compiles_once() -> None:
         assert rec.status == "compiled", rec.reason
         assert rec.pieces == 2 and "scaled_dot_product_attention" in rec.split_ops
     assert sum(compiles) <= 10  # decode per layer; the first layer's prefill runs eager
+
+
+def test_under_replay_the_tensor_cache_grows_and_no_piece_is_captured_again() -> None:
+    """Issue 19's breakage "put the cat into a captured piece": a piece that read the growing
+    cache would need a new graph every step (its input grows), and a real CUDA graph replays
+    the shapes it was captured with. With the cat between pieces, after the first compiled step
+    every step replays each piece and captures nothing, while the cache grows as eager's."""
+    cap: Any = FakeCapturer()
+    model, ref = Stack().eval(), Stack().eval()
+    manifest = piecewise_manifest(model, ["blocks.0", "blocks.1"], CACHE)
+    region = manifest.regions[0]
+    plan = plan_region(manifest, region, overrides=None, on_cuda=False)
+    groups: dict[Any, Any] = {}
+    paths = ["blocks.0", "blocks.1"]
+    slots = [install_piecewise(model.get_submodule(p), "forward",
+                               RegionRecord(p, "piecewise", "forward", "pending"), region, plan,
+                               groups, cap) for p in paths]
+    captured: list[list[int]] = []
+    replays: list[list[int]] = []
+    with torch.inference_mode():
+        for s in range(8):
+            x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(s))
+            torch.testing.assert_close(model(x), ref(x))
+            for blk, rblk in zip(model.blocks, ref.blocks, strict=True):
+                assert blk.k_cache.shape[2] == rblk.k_cache.shape[2] == 3 * (s + 1)
+                torch.testing.assert_close(blk.k_cache, rblk.k_cache)
+            captured.append([sl.record.graphs_captured for sl in slots])
+            replays.append([sl.record.cuda_graph_replays for sl in slots])
+    for sl in slots:
+        assert sl.record.pieces == 2 and sl.record.status == "compiled", sl.record.reason
+    # steps 1-3: the empty cache (eager), the compile, the first capture; from then on, steady
+    assert captured[3] == captured[-1] and all(c >= 2 for c in captured[-1]), captured
+    for before, after in itertools.pairwise(replays[3:]):
+        assert all(b - a >= 2 for a, b in zip(before, after, strict=True)), replays
