@@ -482,12 +482,15 @@ _MODEL_IMPORTS = {"hf_bert": ("transformers.models.bert.modeling_bert",),
                   "flux": ("diffusers.models.transformers.transformer_flux",), "sdpa": ()}
 
 
-def prepare_bytecode(mode: str, models: list[str], device: str, work: str) -> dict[str, Any]:
+def prepare_bytecode(mode: str, models: list[str], device: str, work: str,
+                     prefix: str | None = None) -> dict[str, Any]:
     """The bytecode every timed process of this run reads (see benchmarks/_bytecode.py):
-    {"mode", "prefix", ...}; ``compiled`` compiles it here, once, before any timed process."""
+    {"mode", "prefix", ...}; ``compiled`` compiles it here, once, before any timed process,
+    into ``prefix`` (default: a folder of this run); compileall skips what is up to date there,
+    so a second run with the same ``--pyc-dir`` pays only the discovery."""
     if mode == "host":
         return {"mode": "host", "prefix": None}
-    prefix = os.path.join(work, f"pyc-{mode}")
+    prefix = prefix if prefix and mode == "compiled" else os.path.join(work, f"pyc-{mode}")
     if mode == "none":
         return {"mode": "none", "prefix": prefix}
     from surgery.runtime.load_timing import CUDA_LOADER_MODULES, LOADER_MODULES
@@ -675,6 +678,9 @@ def main() -> None:
                          "first, as pip does at install, and adds a warm-host process with the "
                          "host's own bytecode for the A/B; 'none' runs all with no bytecode "
                          "at all (an image without .pyc); default 'host': as the host is")
+    ap.add_argument("--pyc-dir", default=None,
+                    help="with --pyc: the prefix folder to compile into and keep (a later run "
+                         "with the same folder reuses it); default: a temporary one")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -692,7 +698,8 @@ def main() -> None:
         raise SystemExit(f"unknown model(s) {bad}; use {', '.join(MODELS)}")
     results: list[dict[str, Any]] = []
     work = tempfile.mkdtemp(prefix="warm_start_bytecode_")
-    bytecode = prepare_bytecode(args.pyc, models, args.device, work)
+    bytecode = prepare_bytecode(args.pyc, models, args.device, work,
+                                prefix=os.path.abspath(args.pyc_dir) if args.pyc_dir else None)
     for name in models:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
                              timeout=args.timeout, keep=args.keep, profile=args.profile,

@@ -198,7 +198,8 @@ class _SoRunner:
     normally binds its references to the first definition loaded, torch's, made from other
     headers; where the two g++'s layouts differ, a call lands in the wrong code, which is the
     crash's shape (a virtual call ending in ``codecvt::do_unshift``). That cause is a reading,
-    not yet shown on the H200 (benchmarks/aoti_cuda_probe.py's ``deepbind`` variant asks it).
+    not shown: the H200's g++ is 13.3, as torch's, which makes a layout difference less likely
+    (benchmarks/aoti_cuda_probe.py's ``deepbind`` variant asks it; not yet run there).
     Opened with RTLD_DEEPBIND first (``open_deep_bound``), the library runs its own copy. The
     extra handle is closed with the runner (torch's own handle is the last)."""
 
