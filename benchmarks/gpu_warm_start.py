@@ -473,11 +473,12 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
 # What a discovery process imports for ``--pyc`` (its packages are then compiled whole): what
 # every timed process imports, plus the model's package.
-# (The manifest's schema check and writer import jsonschema and tomli_w inside a function.)
+# (The manifest's schema check and writer import jsonschema and tomli_w inside a function; a
+# C++ build on the CPU imports torch.utils.cpp_extension, and through it setuptools' distutils.)
 _BYTECODE_IMPORTS = ("torch", "surgery.runtime.apply", "surgery.runtime.precompiled",
                      "surgery.examples", "torch._inductor.compile_fx",
                      "torch._inductor.select_algorithm", "_arms", "_bytecode", "_hashes", "gpu_zoo",
-                     "jsonschema", "tomli_w")
+                     "jsonschema", "tomli_w", "torch.utils.cpp_extension")
 _MODEL_IMPORTS = {"hf_bert": ("transformers.models.bert.modeling_bert",),
                   "flux": ("diffusers.models.transformers.transformer_flux",), "sdpa": ()}
 
