@@ -99,6 +99,34 @@ def test_weight_moved_in_place_after_capture_drops_the_pieces_graphs() -> None:
     assert rec.graphs_captured > captured  # captured again, with the new address
 
 
+class _CountingDict(dict):  # type: ignore[type-arg]
+    gets = 0
+
+    def get(self, *a: Any) -> Any:
+        self.gets += 1
+        return super().get(*a)
+
+
+def test_steady_decode_checks_the_weights_once_a_run_not_once_a_piece() -> None:
+    """While the split graph's weight inputs are the same objects at the same addresses as in
+    its last complete run, no piece looks its graphs up by its weights again (each replays the
+    entry it validated); a weight moved in place sends every piece through the full checks."""
+    model, ref, slot, rec = installed_stack()
+    with torch.inference_mode():
+        warm(model, ref, rec)
+        counting = slot.graphs.graphs = _CountingDict(slot.graphs.graphs)
+        replays = rec.cuda_graph_replays
+        same_as_eager(generate(model, IDS, 8), generate(ref, IDS, 8))
+        assert rec.cuda_graph_replays - replays >= 7 * 3, rec.notes  # 7 decode steps replayed
+        assert counting.gets == 0
+        for m in (model, ref):
+            w = m.transformer.h[1].mlp.c_fc.weight
+            w.data = w.data * 0.5
+        same_as_eager(generate(model, IDS, 8), generate(ref, IDS, 8))
+        assert counting.gets >= 3  # that run's pieces took the per-piece checks
+    assert any(MOVED in n for n in rec.notes), rec.notes
+
+
 def test_weight_replaced_after_capture_gets_graphs_of_its_own() -> None:
     """A new parameter object is a new set of weights: its graphs are its own (never the old
     object's), and the tokens follow it."""

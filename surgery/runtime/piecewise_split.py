@@ -284,6 +284,11 @@ class PiecewiseGraph:
             if by_size and path is not None and note not in path.notes:
                 path.notes.append(note)
         self.inlined = inline_between(self.split, {p.gm for p in self.static})
+        # its weight inputs, checked once a run (PathPieces.begin), all tensors or not at all
+        at = [i for i, (n, e) in enumerate(zip(placeholders, example_inputs, strict=False))
+              if n.name in stable]
+        tensors = bool(at) and all(isinstance(example_inputs[i], torch.Tensor) for i in at)
+        self.weights = operator.itemgetter(*at) if tensors and len(at) > 1 else None
 
 
     def __call__(self, *args: Any) -> Any:
@@ -292,7 +297,14 @@ class PiecewiseGraph:
         # the outer one its own.
         local = self.local
         prev, local.state = getattr(local, "state", None), self.state_for()
+        was, state, marks = getattr(local, "steady", False), local.state, None
+        local.steady = False
+        if state is not None and state.capturer is not None and self.weights is not None:
+            local.steady, marks = state.begin(id(self), self.weights(args))  # once a run
         try:
-            return self.split(*args)
+            out = self.split(*args)
         finally:
-            local.state = prev
+            local.state, local.steady = prev, was
+        if marks is not None:
+            state.end(id(self), marks)
+        return out
