@@ -36,7 +36,10 @@ the token's real run (the frame's guard manager checked on the call's own argume
 the call, thread CPU time) plus the watch's own check.
 
     python benchmarks/cpu_stack_breakdown.py [--layers 12] [--width 64] [--tokens 32]
-        [--rounds 5] [--guards-twin]
+        [--rounds 5] [--guards-twin] [--once-twin]
+
+``--once-twin`` lets the same stack take turns with itself with piece_replay.WEIGHTS_ONCE_A_RUN
+off (each piece checks its weights every call, as before that cut): ``stack_over_per_piece``.
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "eager"))
     ap.add_argument("--guards-twin", action="store_true",
                     help="also the stack with tree_guards off, taking turns (see above)")
+    ap.add_argument("--once-twin", action="store_true",
+                    help="also the same stack with piece_replay.WEIGHTS_ONCE_A_RUN off (each "
+                         "piece checks its weights every call, as before), taking turns")
     args = ap.parse_args()
     import torch
 
@@ -188,15 +194,20 @@ def main() -> None:
     if args.guards_twin:
         models["full"] = full_guard_twin(args)
         identical = identical and bool(torch.equal(generate(models["full"]), want))
+    if args.once_twin:  # the same model, the flag off while its turn runs
+        models["per_piece"] = model
     ms: dict[str, list[float]] = {k: [] for k in models}
     guards: dict[str, list[float]] = {"stack": [], "full": [], "watch": []}
     names = list(models)
     for i in range(args.rounds):
         for arm in names[i % len(names):] + names[:i % len(names)]:
+            piece_replay.WEIGHTS_ONCE_A_RUN = arm != "per_piece"
             t = CLOCK()
             generate(models[arm])
             ms[arm].append((CLOCK() - t) * 1e3 / args.tokens)
-    replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds
+        piece_replay.WEIGHTS_ONCE_A_RUN = True
+    replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds \
+        / (2 if args.once_twin else 1)  # the per_piece arm runs the same model
     if args.guards_twin:  # the guard checks timed in runs of their own (they double them)
         undo = time_guards(guards, models)
         for i in range(args.rounds):
@@ -244,6 +255,12 @@ def main() -> None:
                                          zip(ms["stack"], ms["full"], strict=True)],
                "guard_check_us": {k: round(statistics.median(v), 1) for k, v in guards.items()
                                   if v}} if args.guards_twin else {}),
+           **({"per_piece_ms_per_token": round(statistics.median(ms["per_piece"]), 3),
+               "stack_over_per_piece": round(statistics.median(ms["stack"])
+                                             / statistics.median(ms["per_piece"]), 3),
+               "round_stack_over_per_piece": [round(a / b, 3) for a, b in
+                                              zip(ms["stack"], ms["per_piece"], strict=True)]}
+              if args.once_twin else {}),
            "timed_decode_ms_per_token": round(inclusive["generate"] / 1e3, 3),
            "piece_replays_per_token": round(replays / args.tokens, 2),
            "us_per_token": {k: round(v, 1) for k, v in own.items()},

@@ -49,6 +49,10 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   the module tree, as before tree_guards); ``full_ms_per_token`` and
                   ``watched_over_full`` (the stack's median over the full-guard stack's), each
                   round's ratio, tokens identical for all three (ask for it with --arms)
+  gpt2_ab_once    gpt2_ab with the same stack taking a third turn with
+                  surgery.runtime.piece_replay.WEIGHTS_ONCE_A_RUN off (each piece checks its
+                  weights every call, as before x19g): ``per_piece_ms_per_token`` and
+                  ``stack_over_per_piece``, each round's ratio (ask for it with --arms)
   gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
                   ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
                   the eager model, the stack plan applied to the other; both warmed at full
@@ -133,7 +137,8 @@ ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_fused",
         "gpt2_eager", "gpt2_piecewise",
         "gpt2_stack",
-        "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards")
+        "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards",
+        "gpt2_ab_once")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
@@ -141,7 +146,8 @@ DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_trunkfull",
                                                   "sdpa_piecewise_fused", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
-                                                  "gpt2_ab_fused", "gpt2_ab_guards"))
+                                                  "gpt2_ab_fused", "gpt2_ab_guards",
+                                                  "gpt2_ab_once"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -564,6 +570,8 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
 
     import torch
 
+    from surgery.runtime import piece_replay
+
     out: dict[str, Any] = {"arm": arm, "pinned": _pin(pin)}
     if arm == "gpt2_ab_fused":
         pieces_fused()
@@ -589,13 +597,15 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
         finally:
             tree_guards.WATCH_TREES = True
         first["full"] = time_call(lambda: _generate(models["full"], ids), cuda=cuda)[0]
+    if arm == "gpt2_ab_once":  # the same stack, each piece checking its weights every call
+        models["per_piece"], first["per_piece"] = stack, first["stack"]
     times: dict[str, list[float]] = {k: [] for k in models}
     peaks = dict.fromkeys(models, 0.0)
     identical = all(bool(torch.equal(first["eager"], first[k])) for k in models)
     order = []
     for r in range(rounds):
         pair = ("eager", "stack") if r % 2 == 0 else ("stack", "eager")
-        if "full" in models:  # three models: each goes first in turn
+        if len(models) == 3:  # three models: each goes first in turn
             names = list(models)
             pair = tuple(names[(r + i) % 3] for i in range(3))
         order.append(pair[0])
@@ -603,7 +613,9 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
         for k in pair:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            piece_replay.WEIGHTS_ONCE_A_RUN = k != "per_piece"
             got[k], ms, _ = time_call(lambda m=models[k]: _generate(m, ids), cuda=cuda)
+            piece_replay.WEIGHTS_ONCE_A_RUN = True
             times[k].append(ms / NEW_TOKENS)
             peaks[k] = max(peaks[k], _peak_gib(base, cuda))
         identical = identical and bool(torch.equal(got["eager"], first["eager"])) \
@@ -621,6 +633,12 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
                stack_round_ms_per_token=[round(t, 3) for t in times["stack"]],
                new_tokens=int(first["stack"].shape[1] - ids.shape[1]),
                tokens_identical=identical, weights_gib=round(base / 2**30, 3), **_env(cuda))
+    if "per_piece" in models:
+        out.update(stack_over_per_piece=round(out["stack_ms_per_token"]
+                                              / out["per_piece_ms_per_token"], 3),
+                   round_stack_over_per_piece=[round(a / b, 3) for a, b in
+                                               zip(times["stack"], times["per_piece"],
+                                                   strict=True)])
     if "full" in models:
         out.update(watched_over_full=round(out["stack_ms_per_token"]
                                            / out["full_ms_per_token"], 3),
@@ -705,6 +723,11 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
             f"{r['pieces_captured']} / {r['piece_replays']} / {r['ops_between_per_call']} / "
             f"{r['piecewise_recompiles']} | {r['tokens_identical']} | {r['pinned']} |")
     for r in results:
+        if "per_piece_ms_per_token" in r:
+            rows.append(f"\n{r['arm']}: the stack checking weights per piece "
+                        f"{r['per_piece_ms_per_token']:.3f} ms a token; once a run / per piece "
+                        f"**{r['stack_over_per_piece']:.3f}** (rounds "
+                        f"{r['round_stack_over_per_piece']})")
         if "full_ms_per_token" in r:
             rows.append(
                 f"\n{r['arm']}: the stack with full guards {r['full_ms_per_token']:.3f} / "

@@ -185,6 +185,8 @@ class PathPieces:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+# Weights checked once a split graph's run (False: by every piece, every call, as before)
+WEIGHTS_ONCE_A_RUN = True
 _REPLAYS = operator.attrgetter("replays")
 _CAPTURES = operator.attrgetter("captures")
 _CAPTURE_S = operator.attrgetter("capture_s")

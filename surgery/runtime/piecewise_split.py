@@ -45,6 +45,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLIT_OPS
+from surgery.runtime import piece_replay
 from surgery.runtime.compile_start import launch_bound, light_allowed, light_pieces, size_note
 from surgery.runtime.piece_cache import PieceCache, canonical_graph
 from surgery.runtime.piece_replay import PathPieces, StaticPiece, inline_between
@@ -299,7 +300,8 @@ class PiecewiseGraph:
         prev, local.state = getattr(local, "state", None), self.state_for()
         was, state, marks = getattr(local, "steady", False), local.state, None
         local.steady = False
-        if state is not None and state.capturer is not None and self.weights is not None:
+        if state is not None and state.capturer is not None and self.weights is not None \
+                and piece_replay.WEIGHTS_ONCE_A_RUN:
             local.steady, marks = state.begin(id(self), self.weights(args))  # once a run
         try:
             out = self.split(*args)
