@@ -34,7 +34,9 @@ written for a few C-level calls, not Python loops, while every check a replay ne
   run (same objects, same addresses: what its own key lookup and pointer check would find), and
   skips both. Any difference, a run that raised, or the path's graphs dropped: every piece takes
   the full per-piece checks again. A token of the stack did ~13 key builds, dict lookups and
-  pointer lists of ~16 weights each; now one pass.
+  pointer lists of ~16 weights each; now one pass. The marks and entries are keyed by the ids
+  of split graphs and pieces, which their group keeps alive (``PiecewiseGroup.graphs``) as long
+  as the path: an id is never reused while a mark or an entry names it.
 - **Frames.** The split graph calls a piece directly (``StaticPiece.__call__``, not nn.Module's
   call path: nothing can hook a piece), the running path is looked up once per graph run
   (``PiecewiseGraph.local``, per thread), the list a compiled piece returns is rebuilt by
