@@ -61,7 +61,7 @@ for the evidence plan as written, for its inductor part, and for the names-only 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,7 @@ from surgery.formats.manifest import PIECEWISE_KIND, Manifest
 from surgery.planning.budgets import RECOMPILE_BUDGET, Group, layout_of
 from surgery.planning.evidence import Choice, coverage
 from surgery.planning.observation import Call, Observation
+from surgery.planning.piecewise_probe import probe_notes, probe_piecewise
 from surgery.planning.streaming import plan_piecewise, region_paths
 
 LIGHT_SHARE = 0.05  # of the bare step: below it a new compile group is light
@@ -221,14 +222,28 @@ _RULE = (f"by default where piecewise leaves at most {AUTO_PIECEWISE_LEFT:.0%} o
 
 
 def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any, *,
-                     exclude: Sequence[str] = (), piecewise: bool | None = None) -> list[str]:
+                     exclude: Sequence[str] = (), piecewise: bool | None = None,
+                     step: Callable[[Any], Any] | None = None, autocast: Any = None
+                     ) -> list[str]:
     """Plan the streaming blocks of ``manifest`` piecewise, in place: always (True), never
-    (False), or where the module docstring's rule keeps it (None). Returns the notes."""
+    (False), or where the module docstring's rule keeps it (None). With ``step``, the blocks
+    planned piecewise are probed first (surgery.planning.piecewise_probe: one step on
+    aot_eager, under ``autocast``), and one that cannot trace keeps its plain treatment with
+    the reason under ``[[left_out]]``. Returns the notes."""
     if piecewise is False:
         return []
     plain = (manifest.coverage or {}).get("covered_share")
-    trial = manifest if piecewise else copy.deepcopy(manifest)
+    trial = copy.deepcopy(manifest)
     notes = plan_piecewise(trial, model, view, exclude=exclude)
+    if step is not None and any(r.kind == PIECEWISE_KIND for r in trial.regions):
+        found = probe_piecewise(trial, model, step, autocast=autocast)
+        if found.refused:
+            trial = copy.deepcopy(manifest)
+            notes = plan_piecewise(trial, model, view, exclude=exclude, refused=found.refused)
+        notes = [*probe_notes(found), *notes]
+    if piecewise:
+        manifest.__dict__.update(vars(trial))
+        trial = manifest
     pieces = sum(len(r.paths) for r in trial.regions if r.kind == PIECEWISE_KIND)
     after = coverage(obs, region_paths(trial)) if obs.timed_calls else {}
     if piecewise is None:

@@ -106,7 +106,8 @@ def plan_observed(spec: str, *, input_spec: str, steps: int = 4, timed_steps: in
                                              "device": device, "dtype": dtype})
     # streaming blocks as piecewise regions (surgery.planning.streaming), asked or by default
     notes += choose_piecewise(manifest, watched.obs, watched.model, watched.view,
-                              exclude=exclude, piecewise=piecewise)
+                              exclude=exclude, piecewise=piecewise, step=step,
+                              autocast=None if auto is None else getattr(torch, auto))
     return PlanResult(manifest, spec, notes, 0)
 
 
@@ -129,7 +130,8 @@ def plan_from_step(model: Any, step: Callable[..., Any], *, steps: int = 4,
     name = source or f"{type(model).__module__}.{type(model).__qualname__}"
     manifest = manifest_from_evidence(w, source=name, include=include, exclude=exclude,
                                       compile=compile, extra={"steps": steps})
-    choose_piecewise(manifest, w.obs, w.model, w.view, exclude=exclude, piecewise=piecewise)
+    choose_piecewise(manifest, w.obs, w.model, w.view, exclude=exclude, piecewise=piecewise,
+                     step=step, autocast=autocast)
     return manifest
 
 

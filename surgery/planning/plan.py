@@ -23,6 +23,7 @@ from surgery.formats.manifest import (
     DEFAULT_COMPILE,
     DEFAULT_WARMUP,
     MANIFEST_SUFFIX,
+    PIECEWISE_KIND,
     LeftOut,
     Manifest,
     Region,
@@ -38,7 +39,7 @@ from surgery.planning.regions import (
     find_regions,
     natural_key,
 )
-from surgery.planning.streaming import plan_piecewise
+from surgery.planning.streaming import NAMES_ONLY_NOTE, plan_piecewise
 from surgery.planning.view import ForwardArg, ModelView, ModuleNode, view_from_tensors
 
 
@@ -378,6 +379,8 @@ def plan_module(model: Any, *, source: str, include: Sequence[str] = (),
         notes.extend(_fold_note(manifest))
     if piecewise:  # streaming blocks as piecewise regions (surgery.planning.streaming)
         notes.extend(plan_piecewise(manifest, model, view, exclude=exclude))
+        if any(r.kind == PIECEWISE_KIND for r in manifest.regions):
+            notes.append(NAMES_ONLY_NOTE)
     return PlanResult(manifest, spec, notes, wrapped)
 
 

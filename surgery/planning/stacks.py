@@ -27,6 +27,8 @@ the reason under ``[[left_out]]`` at the stack's path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from surgery.formats.manifest import (
     PIECEWISE_FALLBACK_FOR,
     PIECEWISE_KIND,
@@ -61,9 +63,12 @@ def _why_not_stack(view: ModelView, region: Region, stack: str, container: str) 
     return None
 
 
-def plan_stacks(manifest: Manifest, view: ModelView) -> list[str]:
+def plan_stacks(manifest: Manifest, view: ModelView, *,
+                refused: Mapping[str, str] | None = None) -> list[str]:
     """Add a stack region over each piecewise block group that qualifies, in place; its blocks
-    stand by for it. Returns notes for the plan's output."""
+    stand by for it. A stack in ``refused`` (surgery.planning.piecewise_probe saw it fall back)
+    is not added: its blocks stay piecewise regions of their own, the reason under
+    ``[[left_out]]`` at the stack's path. Returns notes for the plan's output."""
     notes: list[str] = []
     blocks = [r for r in manifest.regions if r.kind == PIECEWISE_KIND and r.piecewise
               and PIECEWISE_FALLBACK_FOR not in r.piecewise and not r.compile]
@@ -78,7 +83,7 @@ def plan_stacks(manifest: Manifest, view: ModelView) -> list[str]:
         arg = stack_cache_arg(view, stack)
         if arg is None:
             continue  # no decoder stack: nothing to mark dynamic on its forward
-        why = _why_not_stack(view, region, stack, container)
+        why = (refused or {}).get(stack) or _why_not_stack(view, region, stack, container)
         if why is not None:
             manifest.left_out.append(LeftOut(stack, PIECEWISE_KIND, why))
             continue

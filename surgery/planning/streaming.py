@@ -59,14 +59,18 @@ size, compiles light; GPT-2's decode at batch 1 builds no inductor code that way
 the pieces' sizes, where a plan made from names does not; a prefill-sized step keeps its
 middle piece's fusion there.
 
-The runtime decides what a name cannot: a graph break or a branch on the cache length makes
-the block run eager with the reason in its record (never a crash).
+What a name cannot decide: a graph break or a branch on the cache length inside the block.
+The evidence planner runs the user's step once with the planned piecewise regions on aot_eager
+(surgery.planning.piecewise_probe) and plans again with the blocks that fell back ``refused``:
+each keeps today's treatment, with the runtime's reason under ``[[left_out]]``. A names-only
+plan (a factory or a checkpoint, no step) cannot trace, so there it is checked at run time: the
+block runs eager with the reason in its record (never a crash), and the plan's notes say so.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from surgery.formats.manifest import (
@@ -104,6 +108,11 @@ INDEXED_GRAPHS_PER_INSTANCE = 20
 # Graphs all instances of one such group may compile together (one code object; the runtime's
 # recompile limit for a piecewise group is at most 256).
 INDEXED_GRAPH_BUDGET = 128
+# What a names-only piecewise plan says, since it cannot trace (surgery.planning.piecewise_probe).
+NAMES_ONLY_NOTE = ("--piecewise from names: no step runs at plan time, so a graph break or a "
+                   "branch on the cache length inside a piecewise block is checked at run time "
+                   "(the block then runs eager, with the reason in the report); plan --input "
+                   "STEP checks it before writing the manifest")
 
 
 def cache_sources(block: Any, view: ModelView, path: str) -> list[str]:
@@ -153,10 +162,13 @@ def _over_budget(index: str, instances: int) -> str | None:
 
 
 def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
-                   exclude: Sequence[str] = ()) -> list[str]:
+                   exclude: Sequence[str] = (), refused: Mapping[str, str] | None = None
+                   ) -> list[str]:
     """Make the streaming blocks left out of ``manifest`` piecewise regions, in place.
 
-    A block matching an ``exclude`` glob stays out.
+    A block matching an ``exclude`` glob stays out. A block (or a stack) in ``refused`` keeps
+    today's treatment, its reason added under ``[[left_out]]`` (surgery.planning.piecewise_probe
+    found it cannot trace as one graph).
 
     Returns notes for the plan's output (how many blocks, which kept their treatment and why).
     """
@@ -175,7 +187,7 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
         except AttributeError:
             continue
         sources = cache_sources(block, view, path)
-        why = _why_not(sources)
+        why = (refused or {}).get(path) or _why_not(sources)
         if why is not None:
             kept[path] = why
             continue
@@ -219,7 +231,7 @@ def plan_piecewise(manifest: Manifest, model: Any, view: ModelView, *,
             kind=PIECEWISE_KIND, paths=sorted(paths, key=natural_key), module_class=cls,
             parameters=params, compile=budget,
             piecewise={"split_ops": list(PIECEWISE_DEFAULT_SPLIT_OPS), "dynamic": list(found)}))
-    notes = plan_stacks(manifest, view) if chosen else []
+    notes = plan_stacks(manifest, view, refused=refused) if chosen else []
     notes += light_pieces_plan(manifest) if chosen else []
     manifest.regions.sort(key=lambda r: natural_key(r.paths[0]))
     if chosen:
