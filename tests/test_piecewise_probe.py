@@ -53,8 +53,8 @@ def step(model: nn.Module) -> None:
         model(torch.randn(1, 3, 16))
 
 
-def _plan(model: Blocks, step_fn: Any = step) -> Manifest:
-    m = plan_from_step(model, step_fn, steps=3, timed_steps=1, piecewise=True,
+def _plan(model: Blocks, step_fn: Any = step, *, piecewise: bool = True) -> Manifest:
+    m = plan_from_step(model, step_fn, steps=3, timed_steps=1, piecewise=piecewise,
                        compile={"capture": "region", **ON_CPU})
     data = m.to_dict()
     validate(data)  # the plan is still a valid manifest
@@ -86,11 +86,13 @@ def test_a_block_that_breaks_is_left_out_at_plan_time_and_its_sibling_stays_piec
     (lo,) = [lo for lo in m.left_out if lo.path == "blocks.1"]
     assert "a graph break inside the block" in lo.reason and "at plan time" in lo.reason, \
         lo.reason
-    # today's treatment: the block's own children as the plan without --piecewise has them
-    plain = plan_from_step(Blocks(broken), step, steps=3, timed_steps=1, piecewise=False,
-                           compile={"capture": "region", **ON_CPU})
-    inside = sorted(p for r in plain.regions for p in r.paths if p.startswith("blocks.1"))
-    assert inside == sorted(p for r in m.regions for p in r.paths if p.startswith("blocks.1"))
+    # today's treatment: its children are judged as the plain plan judges them (regions or
+    # left out with their own evidence), never folded into a piecewise region; the sibling's
+    # are inside its region, neither regions nor left out
+    inner = [lo.reason for lo in m.left_out if lo.path.startswith("blocks.1.")]
+    assert inner and not any("inside piecewise region" in r for r in inner), inner
+    assert not any(lo.path.startswith("blocks.0.") for lo in m.left_out)
+    assert not any(p.startswith("blocks.0.") for r in m.regions for p in r.paths)
     assert m.coverage is not None and m.coverage["piecewise_regions"] == 1
 
     # deploying it matches eager, and the piecewise block ran compiled
