@@ -154,3 +154,25 @@ def test_a_names_only_piecewise_plan_says_it_is_checked_at_run_time() -> None:
     result = plan_model("surgery.examples:tiny_sdpa", piecewise=True)
     assert any(r.kind == PIECEWISE_KIND for r in result.manifest.regions)
     assert NAMES_ONLY_NOTE in result.notes
+
+
+def test_a_refused_stack_leaves_its_blocks_piecewise_on_their_own() -> None:
+    """A decoder stack the probe saw fall back is not planned; its blocks no longer stand by."""
+    pytest.importorskip("transformers")
+    from surgery.formats.manifest import PIECEWISE_FALLBACK_FOR
+    from surgery.planning.plan import plan_module, view_from_module
+    from surgery.planning.streaming import plan_piecewise
+    from tests.test_streaming import tiny_gpt2
+
+    model = tiny_gpt2()
+    base = plan_module(model, source="tiny_gpt2").manifest
+    view, _ = view_from_module(model)
+    for refused, stacked in (({}, True), ({"transformer": "not piecewise: R"}, False)):
+        m = Manifest.from_dict(base.to_dict())
+        plan_piecewise(m, model, view, refused=refused)
+        pw = {tuple(r.paths): r for r in m.regions if r.kind == PIECEWISE_KIND}
+        assert (("transformer",) in pw) is stacked, sorted(pw)
+        blocks = pw[("transformer.h.0", "transformer.h.1")]
+        assert (PIECEWISE_FALLBACK_FOR in blocks.piecewise) is stacked
+        assert any(lo.path == "transformer" and lo.reason == "not piecewise: R"
+                   for lo in m.left_out) is not stacked

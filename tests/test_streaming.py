@@ -272,6 +272,9 @@ def test_evidence_plan_makes_the_growing_cache_blocks_piecewise() -> None:
     m = _round_trip(result.manifest)
     (pw,) = [r for r in m.regions if r.kind == PIECEWISE_KIND]
     assert pw.paths == ["aggregator.global_blocks.0", "aggregator.global_blocks.1"]
+    # plan --input probed them (surgery.planning.piecewise_probe): both traced as one graph
+    assert any(n.startswith("piecewise probe (one step on aot_eager): 2 path(s) traced")
+               for n in result.notes), result.notes
     assert pw.piecewise["dynamic"] == ["self.attn.kv_cache"]
     paths = [p for r in m.regions for p in r.paths]
     assert not any(p.startswith("aggregator.global_blocks.0.") for p in paths)
