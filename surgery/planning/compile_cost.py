@@ -221,6 +221,15 @@ _RULE = (f"by default where piecewise leaves at most {AUTO_PIECEWISE_LEFT:.0%} o
          f"{AUTO_PIECEWISE_GAIN:g}x that")
 
 
+def _may_win(trial: Manifest, obs: Observation, plain: float | None) -> bool:
+    """Whether the piecewise plan, not yet probed, wins the default rule: the probe only takes
+    blocks away, so a plan that loses before it would lose after it (no step spent on it)."""
+    if plain is None or not obs.timed_calls:
+        return False
+    got = coverage(obs, region_paths(trial)).get("covered_share", 0.0)
+    return piecewise_wins(plain, got, in_model_share(obs))
+
+
 def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any, *,
                      exclude: Sequence[str] = (), piecewise: bool | None = None,
                      step: Callable[[Any], Any] | None = None, autocast: Any = None
@@ -235,7 +244,8 @@ def choose_piecewise(manifest: Manifest, obs: Observation, model: Any, view: Any
     plain = (manifest.coverage or {}).get("covered_share")
     trial = copy.deepcopy(manifest)
     notes = plan_piecewise(trial, model, view, exclude=exclude)
-    if step is not None and any(r.kind == PIECEWISE_KIND for r in trial.regions):
+    if step is not None and any(r.kind == PIECEWISE_KIND for r in trial.regions) and \
+            (piecewise or _may_win(trial, obs, plain)):
         found = probe_piecewise(trial, model, step, autocast=autocast)
         if found.refused:
             trial = copy.deepcopy(manifest)
