@@ -4,6 +4,9 @@ as it was found."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 from typing import Any
 
 import pytest
@@ -176,3 +179,38 @@ def test_a_refused_stack_leaves_its_blocks_piecewise_on_their_own() -> None:
         assert (PIECEWISE_FALLBACK_FOR in blocks.piecewise) is stacked
         assert any(lo.path == "transformer" and lo.reason == "not piecewise: R"
                    for lo in m.left_out) is not stacked
+
+
+def test_gpt2_generate_with_a_block_that_prints_plans_the_other_block_alone() -> None:
+    """transformers' GPT-2 in generate(), its second block printing: the probe sees the stack
+    and that block fall back; the plan keeps block 0 piecewise, no stack, the same tokens."""
+    pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from tests.test_evidence_cache import generate
+    from tests.test_streaming import tiny_gpt2
+
+    class PrintingBlock(GPT2Block):
+        @functools.wraps(GPT2Block.forward)  # the same signature: its cache is located
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            print("block")
+            return super().forward(*args, **kwargs)
+
+    model = tiny_gpt2()
+    printing = PrintingBlock(model.config, layer_idx=1)
+    printing.load_state_dict(model.transformer.h[1].state_dict())
+    model.transformer.h[1] = printing.eval()
+    with contextlib.redirect_stdout(io.StringIO()):
+        m = plan_from_step(model, generate, steps=3, timed_steps=1, piecewise=True)
+        ref = generate(model)
+        pw = [r.paths for r in m.regions if r.kind == PIECEWISE_KIND]
+        assert pw == [["transformer.h.0"]], pw
+        (lo,) = [lo for lo in m.left_out if lo.path == "transformer.h.1"]
+        assert "a graph break inside the block" in lo.reason and "at plan time" in lo.reason
+        handle = apply_manifest(model, m, warmup=generate, overrides=ON_CPU)
+        try:
+            assert torch.equal(generate(model), ref)
+            status = {r.path: r.status for r in handle.report}
+            assert status["transformer.h.0"] == "compiled", status
+        finally:
+            handle.restore()
