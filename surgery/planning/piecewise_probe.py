@@ -27,6 +27,11 @@ the runtime's fallback warnings caught (their reason goes into the manifest inst
 - a path never entered (the step did not reach it, its cache was empty on every call, or it
   stood by for a stack that compiled) is kept: the runtime checks it when it runs.
 
+What one step cannot see: a branch on the cache length that dynamo only guards (``len % 2 ==
+0``, ``len > 4``: tried, the step compiles) rather than specializes (the marked dim made a
+constant, which raises). Such a block recompiles as the length changes and the runtime demotes
+it past its budget, with the reason in its record, as without the probe.
+
 What is safe when the probe itself fails (``apply_manifest`` raises, or STEP raises under the
 probe where it ran eager in every observed step): every piecewise path is refused, with the
 error. The plain plan is what the observed eager steps vouched for; the piecewise regions are
