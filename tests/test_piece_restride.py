@@ -17,6 +17,7 @@ from surgery.runtime.apply import apply_manifest
 from surgery.runtime.piece_cache import PieceCache
 from surgery.runtime.piece_restride import RestridedPiece, copy_safe
 from surgery.runtime.piecewise import PiecewiseGroup
+from tests.sdpa_streams import stream_against_eager
 from tests.test_graphs import FakeCapturer, fake_cuda  # noqa: F401 (fake_cuda: a fixture)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -188,19 +189,15 @@ def test_on_cuda_the_trunk_compiles_only_its_piece_before_attention_and_replays(
     manifest = plan_model("surgery.examples:tiny_sdpa", piecewise=True).manifest
     manifest.regions = [r for r in manifest.regions if r.kind in ("piecewise", "frame_block")]
     manifest.compile = {**manifest.compile, "backend": "inductor"}
+    # the planner's light pieces write aot_eager into each region's compile table, which wins
+    # over the manifest's: the documented opt-out (inductor named per region) keeps this test's
+    # premise, the trunk's piece before attention built by inductor
+    for r in manifest.regions:
+        r.compile = {**r.compile, "backend": "inductor"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         handle = apply_manifest(model, manifest)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        for s in range(20):
-            x = model.example_input(seed=s)
-            got, want = model(x), ref(x)
-            for k in want:
-                torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2e-2,
-                                           atol=2e-2)
-    for mine, theirs in zip(model.camera_head.kv_cache, ref.camera_head.kv_cache, strict=True):
-        torch.testing.assert_close(torch.stack(mine).float(), torch.stack(theirs).float(),
-                                   rtol=2e-2, atol=2e-2)
+    stream_against_eager(model, ref, frames=20)
     trunk = [handle.report.by_path(p) for p in TRUNK]
     detail = [(r.status, r.pieces_compiled, r.pieces_light, r.pieces_restrided,
                r.cuda_graph_replays) for r in trunk]
