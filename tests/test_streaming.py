@@ -12,11 +12,12 @@ from click.testing import CliRunner
 
 from surgery.cli import cli
 from surgery.formats.manifest import PIECEWISE_KIND, Manifest, validate
-from surgery.planning.plan import compile_defaults, plan_model
+from surgery.planning.plan import compile_defaults, plan_model, plan_module, view_from_module
 from surgery.planning.streaming import (
     INDEXED_GRAPHS_PER_INSTANCE,
     LIGHT_PIECE_BACKEND,
     light_pieces_plan,
+    plan_piecewise,
 )
 from surgery.runtime import compile_start
 from surgery.runtime.apply import apply_manifest
@@ -242,6 +243,37 @@ def test_piecewise_plan_compiles_its_pieces_light_under_region_capture() -> None
         r.compile = {**r.compile, "backend": "inductor"}
     assert light_pieces_plan(m) == []
     assert {r.compile["backend"] for r in m.regions} == {"inductor"}
+
+
+def test_light_pieces_on_transformers_gpt2_blocks_make_eagers_tokens() -> None:
+    """The light-piece rule on a package's model: transformers' GPT-2 whose stack is refused
+    (its blocks piecewise regions of their own, so the rule applies to them), deployed and
+    driven by generate() at a varying batch, fp32 under no_grad and bf16 under inference_mode:
+    the blocks compile aot_eager, run their compiled graph, and make eager's tokens."""
+    pytest.importorskip("transformers")
+    for dtype, mode, batch in ((torch.float32, torch.no_grad, 1),
+                               (torch.bfloat16, torch.inference_mode, 3)):
+        torch._dynamo.reset()
+        model = tiny_gpt2().to(dtype)
+        ref = copy.deepcopy(model)
+        m = Manifest.from_dict(plan_module(model, source="tiny_gpt2").manifest.to_dict())
+        view, _ = view_from_module(model)
+        notes = plan_piecewise(m, model, view, refused={"transformer": "not piecewise: R"})
+        blocks = [r for r in m.regions if r.kind == PIECEWISE_KIND]
+        assert [r.paths for r in blocks] == [["transformer.h.0", "transformer.h.1"]], notes
+        assert blocks[0].compile.get("backend") == LIGHT_PIECE_BACKEND, blocks[0].compile
+        ids = torch.randint(2, 100, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        with mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = apply_manifest(model, m, overrides={"on_cpu": "compile"})
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            records = [handle.report.by_path(p) for p in blocks[0].paths]
+            handle.restore()
+        assert torch.equal(got, want), (dtype, batch)
+        assert all(r.status == "compiled" and r.backend == LIGHT_PIECE_BACKEND
+                   and r.compiled_calls > 0 for r in records), \
+            [(r.status, r.backend, r.compiled_calls) for r in records]
 
 
 def test_golden_piecewise_manifest_reads_back() -> None:
