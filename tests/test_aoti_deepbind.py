@@ -91,3 +91,27 @@ def test_the_runner_loader_opens_the_library_deep_bound_before_torchs_runner(
     runner = aoti_bundle._SoRunner.unpack(buf.getvalue(), str(folder), "cpu")
     assert [k for k, _ in seen] == ["deep", "runner"] and seen[0][1] == seen[1][1], seen
     assert runner._runner.answer == 2  # torch's runner sees the library's own definitions
+
+
+def test_a_runner_that_fails_closes_the_deep_bound_handle_and_the_folder(libs,
+                                                                        monkeypatch) -> None:
+    """torch's runner raising after the deep-bound open: that handle is closed (not kept for
+    the process's life) and the unpacked folder is gone, and the error reaches the caller."""
+    pkg, tmp = libs
+    closed: list[object] = []
+    monkeypatch.setattr(aoti_bundle, "_dlclose", closed.append)
+
+    class Failing:
+        def __init__(self, lib: str, n: int) -> None:
+            raise RuntimeError("the runner refused the library")
+
+    monkeypatch.setattr(torch._C, "_aoti", SimpleNamespace(AOTIModelContainerRunnerCpu=Failing))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.write(pkg, "model/data/aotinductor/model/m.wrapper.so")
+    folder = tmp / "unpacked"
+    folder.mkdir()
+    with pytest.raises(RuntimeError, match="refused the library"):
+        aoti_bundle._SoRunner.unpack(buf.getvalue(), str(folder), "cpu")
+    assert len(closed) == 1 and isinstance(closed[0], ctypes.CDLL), closed
+    assert not folder.exists()

@@ -163,8 +163,7 @@ def open_package(data: bytes, *, device: str, loader: str = LOADERS[0]) -> Any:
             os.rmdir(folder)
 
 
-# How the runner loader opens a package's library first (Linux): its own definitions before any
-# loaded library's (see _SoRunner). 0 where the platform has no such flag.
+# dlopen's flag for a library's own definitions first (Linux; see _SoRunner); 0 where none
 DEEPBIND = getattr(os, "RTLD_DEEPBIND", 0)
 
 
@@ -177,7 +176,7 @@ def open_deep_bound(lib: str) -> Any:
     return ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_LOCAL | DEEPBIND)
 
 
-def _dlclose(handle: Any) -> None:
+def _dlclose(handle: Any) -> None:  # a handle of open_deep_bound, or None (nothing to close)
     with contextlib.suppress(Exception):  # CPython's own binding (POSIX); a leak at worst
         _ctypes.dlclose(handle._handle)  # type: ignore[attr-defined]
 
@@ -206,14 +205,14 @@ class _SoRunner:
     def __init__(self, runner: Any, folder: str, handle: Any = None) -> None:
         self._runner = runner
         self._handle = handle  # the deep-bound dlopen, kept open while the runner lives
-        if handle is not None:
-            weakref.finalize(self, _dlclose, handle)
+        weakref.finalize(self, _dlclose, handle)
         names = dict(runner.get_constant_names_to_original_fqns())  # constant name -> fqn
         self._by_fqn = {fqn: name for name, fqn in names.items()}
         weakref.finalize(self, shutil.rmtree, folder, True)
 
     @classmethod
     def unpack(cls, data: bytes, folder: str, device: str) -> _SoRunner:
+        handle = None
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as z:
                 z.extractall(folder)  # names checked: relative, no "..", no links, one top
@@ -226,6 +225,7 @@ class _SoRunner:
                                                        True) \
                 if device.startswith("cuda") else aoti.AOTIModelContainerRunnerCpu(lib, 1)
         except BaseException:
+            _dlclose(handle)  # the deep-bound open, if made before the runner failed
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return cls(runner, folder, handle)
