@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from surgery.errors import CacheKeyError, ManifestError
-from surgery.formats.limits import LIMITS, NotRegularFile, env_var, limit, read_regular
+from surgery.formats.limits import (
+    LIMITS,
+    NotRegularFile,
+    env_var,
+    limit,
+    read_regular,
+    read_regular_stat,
+)
 from surgery.formats.manifest import load_manifest
 from surgery.runtime import signing
 from tests.capped import assert_refused, surgery_capped
@@ -77,6 +84,25 @@ def test_a_key_file_others_can_read_or_change_is_refused(tmp_path: Path, mode: i
     assert f"chmod 600 {key}" in (info.value.hint or "")
     key.chmod(0o400)
     assert signing.load_key(key) == bytes.fromhex("ab" * 32)
+
+
+def test_a_key_file_is_judged_by_the_file_read_not_by_what_the_path_names_after(
+        tmp_path: Path, monkeypatch) -> None:
+    """The mode and owner checked are those of the very file whose bytes became the key (its
+    fstat): a private file put at the path after the read, or a path stat'ed a second time,
+    must not vouch for a readable key."""
+    key = tmp_path / "cache.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o644)
+    private = tmp_path / "private.key"
+    private.write_text("cd" * 32)
+    private.chmod(0o600)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(
+        private if os.fspath(p) == os.fspath(key) else p, *a, **k))
+    with pytest.raises(CacheKeyError, match="has mode 0644"):
+        signing.load_key(key)
+    assert read_regular_stat(key, max_bytes=4096)[1].st_mode & 0o777 == 0o644
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,

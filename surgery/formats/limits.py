@@ -99,7 +99,14 @@ class NotRegularFile(OSError):
 
 
 def read_regular(path: str, *, max_bytes: int) -> bytes:
-    """The bytes of the regular file at `path`, at most its size as ``fstat`` reported it.
+    """The bytes of the regular file at `path` (``read_regular_stat`` without the stat)."""
+    return read_regular_stat(path, max_bytes=max_bytes)[0]
+
+
+def read_regular_stat(path: str, *, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file at `path`, at most its size as ``fstat`` reported it, and
+    that ``fstat``: the mode and owner of the very file read (a second ``stat`` of the path
+    could see another file put there between the two).
 
     A FIFO, a device (a symlink to ``/dev/zero`` reports size 0 and never ends), a socket or a
     folder raises NotRegularFile; opening is non-blocking, so a FIFO with no writer cannot hang
@@ -121,7 +128,7 @@ def read_regular(path: str, *, max_bytes: int) -> bytes:
                 break  # truncated meanwhile: what was there is what is read
             chunks.append(chunk)
             left -= len(chunk)
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 

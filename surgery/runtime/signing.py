@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import BinaryIO
 
 from surgery.errors import CacheKeyError
-from surgery.formats.limits import read_regular
+from surgery.formats.limits import read_regular_stat
 
 ENV_KEY = "SURGERY_CACHE_KEY"
 ENV_KEY_FILE = "SURGERY_CACHE_KEY_FILE"
@@ -56,8 +56,7 @@ def _decode(raw: bytes, *, where: str) -> bytes:
 
 def _read_key_file(path: str, *, where: str) -> bytes:
     try:
-        raw = read_regular(path, max_bytes=_KEY_FILE_MAX)
-        info = os.stat(path)
+        raw, info = read_regular_stat(path, max_bytes=_KEY_FILE_MAX)  # the file read's own
         mode, owner = info.st_mode, info.st_uid
     except OverflowError:
         raise CacheKeyError(f"the cache key file {path!r} ({where}) is larger than "
