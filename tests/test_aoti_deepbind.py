@@ -52,6 +52,16 @@ def libs(tmp_path: Path) -> tuple[str, Path]:
     return pkg, tmp_path
 
 
+def _packaged(pkg: str, tmp: Path) -> tuple[bytes, Path]:
+    """A package's zip holding the library ``pkg``, and an empty folder to unpack it into."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.write(pkg, "model/data/aotinductor/model/m.wrapper.so")
+    folder = tmp / "unpacked"
+    folder.mkdir()
+    return buf.getvalue(), folder
+
+
 def test_a_deep_bound_library_calls_its_own_definitions(libs) -> None:
     pkg, tmp = libs
     plain = ctypes.CDLL(str(tmp / "package2.so"), mode=os.RTLD_NOW | os.RTLD_LOCAL)
@@ -83,12 +93,8 @@ def test_the_runner_loader_opens_the_library_deep_bound_before_torchs_runner(
 
     monkeypatch.setattr(aoti_bundle, "open_deep_bound", deep)
     monkeypatch.setattr(torch._C, "_aoti", SimpleNamespace(AOTIModelContainerRunnerCpu=Runner))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        z.write(pkg, "model/data/aotinductor/model/m.wrapper.so")
-    folder = tmp / "unpacked"
-    folder.mkdir()
-    runner = aoti_bundle._SoRunner.unpack(buf.getvalue(), str(folder), "cpu")
+    data, folder = _packaged(pkg, tmp)
+    runner = aoti_bundle._SoRunner.unpack(data, str(folder), "cpu")
     assert [k for k, _ in seen] == ["deep", "runner"] and seen[0][1] == seen[1][1], seen
     assert runner._runner.answer == 2  # torch's runner sees the library's own definitions
 
@@ -106,12 +112,8 @@ def test_a_runner_that_fails_closes_the_deep_bound_handle_and_the_folder(libs,
             raise RuntimeError("the runner refused the library")
 
     monkeypatch.setattr(torch._C, "_aoti", SimpleNamespace(AOTIModelContainerRunnerCpu=Failing))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        z.write(pkg, "model/data/aotinductor/model/m.wrapper.so")
-    folder = tmp / "unpacked"
-    folder.mkdir()
+    data, folder = _packaged(pkg, tmp)
     with pytest.raises(RuntimeError, match="refused the library"):
-        aoti_bundle._SoRunner.unpack(buf.getvalue(), str(folder), "cpu")
+        aoti_bundle._SoRunner.unpack(data, str(folder), "cpu")
     assert len(closed) == 1 and isinstance(closed[0], ctypes.CDLL), closed
     assert not folder.exists()
