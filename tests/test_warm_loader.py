@@ -1,6 +1,7 @@
 """A warm start's one-time costs (surgery.runtime.warm_loader) and what it no longer imports.
 
-The keys are hashed in a thread and waited for before the first artifact; kernels load on CUDA
+The keys are hashed, and the loader's native build runs, in threads beside the imports, waited
+for before the first artifact; kernels load on CUDA
 without inductor's compile pool; the manifest's backend is checked without importing every
 dynamo backend; a group whose calls all run precompiled code never makes its dynamo callable;
 mark_step imports no cudagraph trees before any exists.
@@ -8,13 +9,16 @@ mark_step imports no cudagraph trees before any exists.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -48,8 +52,31 @@ def _fake_keys(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[tupl
     return calls
 
 
+def _fake_builds(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0, fail_first: bool = False
+                 ) -> list[tuple[str, str, float]]:
+    """Replace both native builds (Triton's driver, the CPU's ISA probe) with recorders:
+    [(build, thread name, when it started)] as they are called; the first call takes ``delay``
+    (later ones are free, as torch's and triton's cached answers are); ``fail_first``: the first
+    call raises, as a build that fails in its thread would."""
+    calls: list[tuple[str, str, float]] = []
+
+    def fake(name: str):  # type: ignore[no-untyped-def]
+        def build() -> str:
+            calls.append((name, threading.current_thread().name, time.perf_counter()))
+            time.sleep(delay if len(calls) == 1 else 0.0)
+            if fail_first and len(calls) == 1:
+                raise RuntimeError("no compiler")
+            return name
+        return build
+
+    monkeypatch.setattr(warm_loader, "_triton_utils", fake("triton_driver"))
+    monkeypatch.setattr(warm_loader, "_cpu_isa", fake("cpu_isa_probe"))
+    return calls
+
+
 def test_keys_are_computed_in_a_thread_on_cuda_and_not_at_all_on_the_cpu(monkeypatch) -> None:
     calls = _fake_keys(monkeypatch)
+    _fake_builds(monkeypatch)
     assert KeyPrefetch.start("cpu").names == []
     assert calls == []  # the CPU's load needs neither key
     pre = KeyPrefetch.start("cuda:0")
@@ -75,13 +102,85 @@ def test_the_loader_set_up_waits_for_the_keys(monkeypatch) -> None:
     plain functools.cache, the loader would compute it a second time."""
     monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
     monkeypatch.setattr(load_timing, "CUDA_LOADER_MODULES", ())
-    load_timing.prepare_loader("cuda")  # triton's driver probe, once: not timed below
+    _fake_builds(monkeypatch)
     _fake_keys(monkeypatch, delay=1.0)
     pre = KeyPrefetch.start("cuda")
     setup = load_timing.prepare_loader("cuda", pre)
     assert pre.thread is not None and not pre.thread.is_alive(), setup.steps
     assert setup.steps["keys_wait"] > 0.5, setup.steps
     assert set(setup.keys["keys"]) == {"torch_key", "triton_key"}
+
+
+@pytest.mark.parametrize("device, build", [pytest.param("cpu", "cpu_isa_probe", id="cpu"),
+                                           pytest.param("cuda", "triton_driver", id="triton")])
+def test_the_native_build_starts_beside_the_imports_and_the_set_up_waits_for_it(
+        monkeypatch, device: str, build: str) -> None:
+    """The set-up's native build (the CPU's ISA probe, Triton's driver on CUDA) runs in the
+    prefetch thread, started before the loader's imports; the set-up's step waits for it and
+    then asks the cached result again on its own thread (free once built)."""
+    slow_imports = 0.5
+    monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
+    monkeypatch.setattr(load_timing, "CUDA_LOADER_MODULES", ())
+    monkeypatch.setattr(load_timing, "serial_kernel_loads",  # the imports' stand-in: 0.5 s
+                        lambda device: _sleeping(slow_imports))
+    _fake_keys(monkeypatch)
+    calls = _fake_builds(monkeypatch, delay=1.0)
+    pre = KeyPrefetch.start(device)
+    called = time.perf_counter()
+    setup = load_timing.prepare_loader(device, pre)
+    assert [(n, who) for n, who, _ in calls] == [(build, "surgery-build-prefetch"),
+                                                 (build, "MainThread")], calls
+    assert calls[0][2] < called  # started before the set-up, so it overlaps the imports
+    assert calls[1][2] >= calls[0][2] + 1.0  # asked again only once the thread's build ended
+    assert setup.steps["imports"] >= slow_imports
+    assert setup.steps[build] < 1.0 - slow_imports + 0.3, setup.steps  # the rest of the build
+    assert setup.seconds < 1.0 + slow_imports, setup.steps  # not one after the other
+    assert setup.keys["build"][build] >= 1.0 and "failed" not in setup.keys
+
+
+def test_a_native_build_that_fails_in_its_thread_runs_in_the_set_up(monkeypatch) -> None:
+    _fake_keys(monkeypatch)
+    monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
+    calls = _fake_builds(monkeypatch, fail_first=True)
+    pre = KeyPrefetch.start("cpu")
+    setup = load_timing.prepare_loader("cpu", pre)
+    assert [(n, who) for n, who, _ in calls] == [("cpu_isa_probe", "surgery-build-prefetch"),
+                                                 ("cpu_isa_probe", "MainThread")]
+    assert "RuntimeError: no compiler" in setup.keys["failed"]["cpu_isa_probe"]
+
+
+def test_the_cpu_build_thread_imports_no_module_and_fills_torchs_cache() -> None:
+    """A fresh interpreter and an empty inductor cache: the real ISA probe, run in the prefetch
+    thread, imports nothing (its modules came first, on the caller's thread: two threads
+    importing torch's circular modules at once can deadlock in the import lock), and leaves
+    torch's cached answer that the loader's own call then reads."""
+    code = textwrap.dedent("""
+        import json, sys
+        import surgery.runtime.apply
+        from surgery.runtime.warm_loader import KeyPrefetch
+        pre = KeyPrefetch.start("cpu")
+        started = set(sys.modules)
+        pre.wait_build()
+        from torch._inductor import cpu_vec_isa
+        print(json.dumps({"new": sorted(set(sys.modules) - started), "summary": pre.summary(),
+                          "cached": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize}))
+    """)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["new"] == [], got["new"][:20]
+    assert "failed" not in got["summary"] and got["summary"]["build"]["cpu_isa_probe"] > 0
+    assert got["cached"] == 1
+
+
+@contextlib.contextmanager
+def _sleeping(seconds: float) -> Iterator[None]:
+    time.sleep(seconds)
+    yield
 
 
 def test_kernels_load_without_a_compile_pool_on_cuda_only(monkeypatch) -> None:

@@ -13,8 +13,10 @@ probe that builds a test program. Charged to the first group, those look like it
 So the set-up runs first, on its own clock (``prepare_loader``): the loader's modules from the
 fixed list LOADER_MODULES (never names from a bundle), triton and its driver on CUDA (Triton
 builds its CUDA utilities with the C compiler on first use in an empty TRITON_CACHE_DIR), the
-ISA probe on the CPU, then the wait for the one-time keys that surgery.runtime.warm_loader
-computes in a thread meanwhile. The list is what torch's loader and inductor's generated code
+ISA probe on the CPU (both started in a thread beside the imports by surgery.runtime.
+warm_loader, so this step waits for that build, then asks the cached result), then the wait for
+the one-time keys that surgery.runtime.warm_loader computes in a thread meanwhile.
+The list is what torch's loader and inductor's generated code
 import themselves (checked on torch 2.14 by loading with an empty list: the same modules but
 ``compile_fx`` and its FX passes, 22 modules and 0.1 s on the 2-core CPU, which only a
 compile needs and which are therefore left out).
@@ -37,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
+from surgery.runtime.warm_loader import KeyPrefetch, native_build, serial_kernel_loads
 
 # The modules torch's loader imports on its first artifact (torch 2.11-2.14; a name a version
 # lacks is skipped). A fixed list: nothing a bundle says is ever imported.
@@ -93,24 +95,22 @@ def prepare_loader(device: str, keys: KeyPrefetch | None = None) -> LoaderSetup:
             with contextlib.suppress(ImportError):  # a module this torch does not have
                 importlib.import_module(name)
     setup.steps["imports"] = round(time.perf_counter() - t, 3)
-    if device.startswith("cuda"):
+    # Triton's driver utilities on CUDA (built with the C compiler into an empty
+    # TRITON_CACHE_DIR: in a fresh container that is a compiler run), the vector-ISA probe on
+    # the CPU (a test program built once a process): started beside the imports by ``keys``
+    # (surgery.runtime.warm_loader), waited for here, then asked again (cached by torch or
+    # triton: free once built; built here when the thread could not).
+    if (native := native_build(device)) is not None:
+        name, build, _ = native
         t = time.perf_counter()
-        with contextlib.suppress(Exception):  # triton's; a failure is its to report
-            from triton.runtime import driver  # heavy, optional: triton
-
-            # Triton builds its CUDA utilities (a small C extension) on first use, into
-            # TRITON_CACHE_DIR: in a fresh container that is a compiler run.
-            getattr(driver.active, "utils", None)
-        setup.steps["triton_driver"] = round(time.perf_counter() - t, 3)
-    if device == "cpu":
-        t = time.perf_counter()
-        with contextlib.suppress(Exception):  # the probe is torch's; a failure is its to report
-            from torch._inductor.cpu_vec_isa import pick_vec_isa  # heavy: inductor's
-
-            pick_vec_isa()  # cached by torch; builds and runs a test program once a process
-        setup.steps["cpu_isa_probe"] = round(time.perf_counter() - t, 3)
-    if keys is not None and keys.names:
-        setup.steps["keys_wait"] = keys.wait()
+        if keys is not None and keys.build == name:
+            keys.wait_build()
+        with contextlib.suppress(Exception):  # torch's or triton's; a failure is theirs
+            build()
+        setup.steps[name] = round(time.perf_counter() - t, 3)
+    if keys is not None and (keys.names or keys.build):
+        if keys.names:
+            setup.steps["keys_wait"] = keys.wait()
         setup.keys = keys.summary()
     setup.seconds = round(time.perf_counter() - started, 3)
     setup.imported = len(sys.modules) - before

@@ -1,4 +1,4 @@
-"""A warm start's one-time costs: keys hashed beside the bundle checks, and no compile pool.
+"""A warm start's one-time costs: keys hashed and native code built beside the imports, no pool.
 
 Why. Loading precompiled code (surgery.runtime.precompiled) compiles nothing, yet the first
 artifact of a process paid for things a compile needs. On the H200 (issue 23) the first artifact
@@ -30,8 +30,22 @@ What is done instead.
   the thread is still computing. The thread only calls torch's and triton's own cached
   functions; it changes no value, imports nothing (the two modules are imported by the caller,
   on this thread, first) and swallows its errors (the loader then computes the key itself, as
-  without this). On the CPU neither key is on the load path (kernels are C++), so nothing
-  starts.
+  without this). On the CPU neither key is on the load path (kernels are C++), so no key
+  thread starts (the native build's does, below).
+- **Native builds beside the imports.** The loader's set-up (surgery.runtime.load_timing) runs
+  one native build a process: on CUDA Triton's driver utilities (a small C extension that Triton
+  builds with the C compiler into an empty ``TRITON_CACHE_DIR``: 0.30 s of the H200's 1.22 s
+  set-up), on the CPU inductor's vector-ISA probe (a test program built and loaded with the C++
+  compiler into an empty inductor cache: about 5 s on the 2-core CPU). Both wait on a compiler
+  process, with the GIL released, yet ran after the loader's imports, which hold it. So
+  ``KeyPrefetch.start`` also starts that build (``native_build(device)``) in a second daemon
+  thread, before the imports, and the set-up's step waits for it (``wait_build()``) and then
+  calls the same cached function itself: a no-op once the thread built it, the build as
+  before when the thread failed. The modules the build imports (the fixed list of
+  ``native_build``, never a bundle's names) are imported on the caller's thread before the
+  thread starts, so the two threads never import at once: two threads importing torch's
+  circular modules in opposite orders can meet in the import lock (``_DeadlockError``). A
+  test checks, in a fresh interpreter, that the thread's work imports no module.
 - **No pool for loads.** ``serial_kernel_loads(device)`` sets inductor's ``compile_threads`` to 1
   around each artifact's load on CUDA, so no pool is started for kernels that are only loaded.
   A later compile (a region with no artifact, a new signature) runs with the configured threads
@@ -50,6 +64,7 @@ What is done instead.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import threading
 import time
@@ -77,35 +92,93 @@ def _key_functions(device: str) -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
-class KeyPrefetch:
-    """Torch's and triton's one-time keys, computed in a daemon thread (see the module doc)."""
+# What each native build imports when it runs (torch 2.11-2.14, triton 3.x; a name a version
+# lacks is skipped): imported on the caller's thread before the build's thread starts.
+CUDA_BUILD_MODULES = ("triton", "triton.runtime.driver", "triton.runtime.build",
+                      "triton.backends.nvidia.driver")
+CPU_BUILD_MODULES = ("torch._inductor.codecache", "torch._inductor.cpp_builder",
+                     "torch._inductor.cpu_vec_isa", "torch.utils.cpp_extension",
+                     "torch.utils._filelock")
 
-    def __init__(self, names: list[str], thread: threading.Thread | None) -> None:
+
+def _triton_utils() -> Any:
+    """Triton's driver utilities: built with the C compiler on first use (cached by Triton)."""
+    from triton.runtime import driver  # heavy, optional: triton
+
+    return getattr(driver.active, "utils", None)
+
+
+def _cpu_isa() -> Any:
+    """inductor's vector ISA: probed once a process by building a test program (cached)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # heavy: inductor's
+
+    return pick_vec_isa()
+
+
+def native_build(device: str) -> tuple[str, Callable[[], Any], tuple[str, ...]] | None:
+    """The one-time native build the loader's set-up runs on ``device``:
+    (step name, its cached function, the modules it imports); None where there is none."""
+    if device.startswith("cuda"):
+        return "triton_driver", _triton_utils, CUDA_BUILD_MODULES
+    if device == "cpu":
+        return "cpu_isa_probe", _cpu_isa, CPU_BUILD_MODULES
+    return None
+
+
+def import_quietly(names: tuple[str, ...]) -> None:
+    """Import each of a fixed list of modules; one this torch or triton lacks is skipped."""
+    for name in names:
+        with contextlib.suppress(Exception):  # absent, or failing: the loader meets it itself
+            importlib.import_module(name)
+
+
+class KeyPrefetch:
+    """Torch's and triton's one-time keys, and the loader's native build, computed in daemon
+    threads beside the loader's imports (see the module doc)."""
+
+    def __init__(self, names: list[str], thread: threading.Thread | None,
+                 build: str = "", build_thread: threading.Thread | None = None) -> None:
         self.names = names  # the keys it computes
         self.thread = thread
-        self.seconds: dict[str, float] = {}  # per key, in the thread
-        self.failed: dict[str, str] = {}  # per key, why (the loader computes it itself then)
+        self.build = build  # the native build's step name ("" when none is started)
+        self.build_thread = build_thread
+        self.seconds: dict[str, float] = {}  # per key and build, in its thread
+        self.failed: dict[str, str] = {}  # per key or build, why (the loader does it itself)
         self.waited = 0.0  # how long wait() blocked the caller
+        self.build_waited = 0.0  # how long wait_build() blocked the caller
+        self.imports_s = 0.0  # the build's modules, imported on the caller's thread first
+
+    def _timed(self, name: str, fn: Callable[[], Any]) -> None:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # torch's or triton's; the loader tries again itself
+            self.failed[name] = f"{type(e).__name__}: {e}"[:200]
+        self.seconds[name] = round(time.perf_counter() - t, 3)
 
     @classmethod
-    def start(cls, device: str) -> KeyPrefetch:
-        """Start computing the keys the loader needs on ``device`` (none on the CPU)."""
+    def start(cls, device: str, *, build: bool = True) -> KeyPrefetch:
+        """Start computing the keys the loader needs on ``device`` (none on the CPU) and its
+        native build (Triton's driver on CUDA, the vector-ISA probe on the CPU; ``build=False``:
+        the keys only, as before that thread, for an A/B)."""
         funcs = _key_functions(device)
-        if not funcs:
-            return cls([], None)
         pre = cls([n for n, _ in funcs], None)
+        if build and (native := native_build(device)) is not None:
+            name, fn, modules = native
+            t = time.perf_counter()
+            import_quietly(modules)  # on this thread: the build's thread then imports nothing
+            pre.imports_s = round(time.perf_counter() - t, 3)
+            pre.build = name
+            pre.build_thread = threading.Thread(target=pre._timed, args=(name, fn),
+                                                name="surgery-build-prefetch", daemon=True)
+            pre.build_thread.start()
+        if funcs:
+            def run() -> None:
+                for key, fn in funcs:
+                    pre._timed(key, fn)
 
-        def run() -> None:
-            for name, fn in funcs:
-                t = time.perf_counter()
-                try:
-                    fn()
-                except Exception as e:  # torch's or triton's; the loader tries again itself
-                    pre.failed[name] = f"{type(e).__name__}: {e}"[:200]
-                pre.seconds[name] = round(time.perf_counter() - t, 3)
-
-        pre.thread = threading.Thread(target=run, name="surgery-key-prefetch", daemon=True)
-        pre.thread.start()
+            pre.thread = threading.Thread(target=run, name="surgery-key-prefetch", daemon=True)
+            pre.thread.start()
         return pre
 
     def wait(self) -> float:
@@ -117,9 +190,23 @@ class KeyPrefetch:
         self.waited = round(self.waited + time.perf_counter() - t, 3)
         return self.waited
 
+    def wait_build(self) -> float:
+        """Block until the native build's thread is done; the seconds this call blocked."""
+        if self.build_thread is None:
+            return 0.0
+        t = time.perf_counter()
+        self.build_thread.join()
+        self.build_waited = round(self.build_waited + time.perf_counter() - t, 3)
+        return self.build_waited
+
     def summary(self) -> dict[str, Any]:
-        """For a report: which keys, seconds each in the thread, seconds the caller waited."""
-        return {"keys": dict(self.seconds), "waited_s": self.waited,
+        """For a report: seconds per key and build in its thread, seconds the caller waited
+        for each, the build's imports on the caller's thread."""
+        return {"keys": {k: v for k, v in self.seconds.items() if k in self.names},
+                "waited_s": self.waited,
+                **({"build": {self.build: self.seconds.get(self.build),
+                              "waited_s": self.build_waited, "imports_s": self.imports_s}}
+                   if self.build else {}),
                 **({"failed": dict(self.failed)} if self.failed else {})}
 
 
