@@ -38,6 +38,7 @@ from surgery.runtime.bundle_parts import (
     parse_precompiled,
     split_blob,
 )
+from surgery.runtime.kernel_ids import KernelRecordError, parse_record
 from surgery.runtime.signing import (
     ENV_KEY,
     ENV_KEY_FILE,
@@ -191,7 +192,8 @@ def read_bundle(path: str, *, key: bytes | None, with_blob: bool = True
         megacache, section = split_blob(meta, blob)
         read_artifacts(megacache)
         parse_precompiled(meta, section)
-    except (ArtifactError, PrecompiledError) as e:
+        parse_record(meta)  # the cold run's kernels (runtime.kernel_ids)
+    except (ArtifactError, PrecompiledError, KernelRecordError) as e:
         raise CacheBundleError(f"{path}: refused: {e}", path=path, hint=_REBUILD) from None
     return meta, blob if with_blob else None
 

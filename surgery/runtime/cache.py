@@ -71,6 +71,7 @@ from surgery.runtime.bundle_parts import (
     parse_parts,
     split_blob,
 )
+from surgery.runtime.kernel_ids import KernelRecord, parse_record
 from surgery.runtime.private_dirs import private_dirs_problem
 from surgery.runtime.signing import load_key, require_key
 
@@ -110,6 +111,7 @@ class OpenedBundle:
     precompiled: Parsed
     aoti: AotiParsed = field(default_factory=dict)  # AOTInductor packages, trusted likewise
     pending: bytes | None = None  # the Mega-Cache part, verified, not yet given to torch
+    kernels: KernelRecord | None = None  # what the cold run ran (surgery.runtime.kernel_ids)
 
 
 def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
@@ -136,7 +138,7 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
         return OpenedBundle(False, one_line(f"{path}: unreadable ({type(e).__name__})"), {})
     if parts is None:
         return OpenedBundle(False, one_line(why), {})
-    blob, precompiled, aoti = parts
+    blob, precompiled, aoti, kernels = parts
     counts: dict[str, int] = {}
     if not (defer and aoti):
         failed, counts = load_megacache(path, blob)
@@ -148,7 +150,7 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
         counts["AOTInductor"] = n
     waits = "; its Mega-Cache part waits for the first compile" if defer and aoti else ""
     return OpenedBundle(True, f"{path}: {_describe(counts)}{waits}", precompiled, aoti,
-                        blob if defer and aoti else None)
+                        blob if defer and aoti else None, kernels)
 
 
 def load_megacache(path: str, blob: bytes) -> tuple[str, dict[str, int]]:
@@ -165,9 +167,10 @@ def load_megacache(path: str, blob: bytes) -> tuple[str, dict[str, int]]:
 
 
 def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-           device: str) -> tuple[tuple[bytes, Parsed, AotiParsed] | None, str]:
-    """((Mega-Cache part, precompiled artifacts, AOTInductor packages), "") when the bundle
-    may be loaded, else (None, why)."""
+           device: str
+           ) -> tuple[tuple[bytes, Parsed, AotiParsed, KernelRecord | None] | None, str]:
+    """((Mega-Cache part, precompiled artifacts, AOTInductor packages, kernel record), "")
+    when the bundle may be loaded, else (None, why)."""
     missing = _api_missing()
     if missing:
         return None, missing
@@ -185,7 +188,7 @@ def _admit(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None
         return None, f"{path} is not loaded: {unsafe}"
     assert blob is not None
     megacache, section = split_blob(meta, blob)  # read_bundle checked both parts
-    return (megacache, *parse_parts(meta, section)), ""
+    return (megacache, *parse_parts(meta, section), parse_record(meta)), ""
 
 
 def _artifact_counts(info: Any) -> dict[str, int]:

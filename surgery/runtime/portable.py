@@ -197,3 +197,11 @@ def closure_refs(target: Any) -> dict[str, Any]:
         if isinstance(value, types.FunctionType):
             out[f"closure.{i}"] = value
     return out
+
+
+def takes_args(fn: Callable[..., Any], n: int) -> bool:
+    """Whether ``fn`` takes at least ``n`` positional arguments (torch's serialiser grew one)."""
+    try:
+        return len(inspect.signature(fn).parameters) >= n
+    except (TypeError, ValueError):
+        return False

@@ -50,7 +50,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ from surgery.runtime.bundle import default_bundle_path, one_line
 from surgery.runtime.bundle_parts import SOURCES_FIELD, AotiParsed, Parsed, record_format
 from surgery.runtime.cache import open_bundle
 from surgery.runtime.call_example import Example, modes_of
+from surgery.runtime.kernel_ids import KERNELS_FIELD, KernelRecord, kernel_record, pin_kernels
 from surgery.runtime.load_timing import LoaderSetup, LoadTiming, prepare_loader, timed
 from surgery.runtime.portable import (
     closure_identity,
@@ -71,6 +72,7 @@ from surgery.runtime.portable import (
     guard_filter_for,
     inlined_sources,
     sources_problem,
+    takes_args,
 )
 from surgery.runtime.report import CacheIgnoredWarning, CacheRecord
 from surgery.runtime.warm_loader import KeyPrefetch, serial_kernel_loads
@@ -117,10 +119,12 @@ class Section:
     data: bytes
     entries: list[dict[str, Any]]
     notes: list[str]
+    kernels: dict[str, Any] | None = None  # what the cold frames ran (runtime.kernel_ids)
 
     def record(self) -> dict[str, Any]:
         return {"format": record_format(self.entries), "bytes": len(self.data),
-                "entries": self.entries, "notes": self.notes}
+                "entries": self.entries, "notes": self.notes,
+                **({KERNELS_FIELD: self.kernels} if self.kernels else {})}
 
 
 def _compile_options(group: Any) -> tuple[str, dict[str, Any]]:
@@ -149,7 +153,7 @@ def precompile_one(group: Any, module: Any, example: Example) -> tuple[bytes, li
         full = (module, *args) if group.bound else args
         fn = compiled.aot_compile((full, kwargs))
     refs = closure_refs(group.target)
-    saved = type(fn).serialize(fn, refs) if refs and _takes(type(fn).serialize, 2) \
+    saved = type(fn).serialize(fn, refs) if refs and takes_args(type(fn).serialize, 2) \
         else type(fn).serialize(fn)
     # torch 2.13 returns an AOTCompileSaveResult; the first releases of the path, the bytes.
     return bytes(getattr(saved, "serialized_data", saved)), inlined_sources(fn)
@@ -163,7 +167,8 @@ def build_section(groups: Iterable[Any], *, aoti: bool = False, device: str = "c
     ``aoti``: also build an AOTInductor package for each (surgery.runtime.aoti_build).
     """
     groups = list(groups)
-    section = _build_artifacts(groups)
+    ran = kernel_record()  # before anything compiles here: what the frames ran
+    section = replace(_build_artifacts(groups), kernels=ran)
     if aoti:
         if missing := aoti_missing():
             section.notes.append(missing)
@@ -171,7 +176,8 @@ def build_section(groups: Iterable[Any], *, aoti: bool = False, device: str = "c
         sources = {(e["group"], e["signature"]): e[SOURCES_FIELD] for e in section.entries}
         blob, extra, notes = build_entries(groups, device=device, signature_text=signature_text,
                                            offset=len(section.data), sources=sources)
-        section = Section(section.data + blob, section.entries + extra, section.notes + notes)
+        section = Section(section.data + blob, section.entries + extra, section.notes + notes,
+                          ran)
     return section
 
 
@@ -213,14 +219,6 @@ def _build_artifacts(groups: Iterable[Any]) -> Section:
 
 # --- loading -----------------------------------------------------------------------------------
 
-def _takes(fn: Callable[..., Any], n: int) -> bool:
-    """Whether ``fn`` takes at least ``n`` positional arguments (torch's serialiser grew one)."""
-    try:
-        return len(inspect.signature(fn).parameters) >= n
-    except (TypeError, ValueError):
-        return False
-
-
 def _load_function(data: bytes, target: Callable[..., Any]) -> Any:
     """torch's loader; given the function's globals, and the functions of its closure
     (surgery.runtime.portable.closure_refs), where this torch takes them (2.13+ does)."""
@@ -259,6 +257,7 @@ class Loaded:
     keys: KeyPrefetch | None = None  # waited for before the first artifact (not runner) loads
     prepared: bool = False  # whether the loader's set-up ran (before the first artifact)
     deferred: DeferredMegaCache | None = None  # the Mega-Cache part, when runners are in it
+    kernels: KernelRecord | None = None  # the cold run's kernels, pinned as artifacts load
     used: set[str] = field(default_factory=set)
     stale: str = ""  # why a group's inlined code is not this process's (the first one)
     loaded: int = 0  # artifacts and runners handed out
@@ -310,6 +309,7 @@ class Loaded:
                     self.failed = self.failed or f"{name}: {type(e).__name__}: {first}"
                     return runners
                 out[sig] = Artifact(fn)
+            pin_kernels(self.kernels)  # its Triton kernels launch the cold run's configs
         finally:
             self.seconds[identity] = time.perf_counter() - started
         self.loaded += len(out) - len(runners)
@@ -343,8 +343,8 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
             opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device,
                                  defer=aoti_missing() is None)
         loaded, why = opened.loaded, opened.reason
-        pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=keys) \
-            if opened.precompiled or opened.aoti else None
+        pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=keys,
+                     kernels=opened.kernels) if opened.precompiled or opened.aoti else None
         if pre is not None and keys is None and any(  # artifacts to load: hash keys meanwhile
                 set(v) - set(opened.aoti.get(k, {})) for k, v in opened.precompiled.items()):
             pre.keys = KeyPrefetch.start(device)
@@ -381,8 +381,7 @@ def group_breakdown(groups: Iterable[Any], loaded: Loaded | None) -> list[dict[s
     load_timing), CUDA graphs captured and the time capturing them."""
     out = []
     for g in groups:
-        slots = g.slots
-        ident = g.identity
+        slots, ident = g.slots, g.identity
         out.append({
             "group": qualname_of(g.target), "paths": len(slots),
             "signatures": len(g.sigs), "compiles": sum(s.record.compiles for s in slots),

@@ -1,0 +1,303 @@
+"""surgery.runtime.kernel_ids: the bundle records what the cold frames ran; a warm start checks
+it, and pins Triton kernels to the cold run's configs.
+
+The CPU half runs inductor for real (its C++ kernels are inline in the output code); Triton
+kernels are stand-ins with a CachingAutotuner's fields (configs, compile_results, launchers,
+kernel_hash, autotune_cache_info), since no Triton kernel launches on the CPU. The H200 runs
+the real ones (benchmarks/gpu_warm_start.py, which prints the check per process).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from bundle_support import KEY, KEY_HEX, TWO_BLOCKS_SRC
+from torch._inductor.codecache import PyCodeCache
+
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import (
+    DEFAULT_COMPILE,
+    Manifest,
+    Region,
+    load_manifest,
+    save_manifest,
+)
+from surgery.runtime import bundle, cache, kernel_ids, precompiled
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.report import CacheIgnoredWarning
+from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
+
+INDUCTOR = {"backend": "inductor", "on_cpu": "compile"}
+AOT = {"backend": "aot_eager", "on_cpu": "compile"}  # where no kernel is generated (faster)
+SRC = TWO_BLOCKS_SRC + "\nX = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))\n"
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(ENV_KEY, KEY_HEX)
+    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    (tmp_path / "kmod.py").write_text(SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    m = Manifest(compute_fingerprint(_mod().build().state_dict()),
+                 [Region("block", ["blocks.0", "blocks.1"])],
+                 compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
+    save_manifest(m, str(tmp_path / "net.surgery.toml"))
+    return tmp_path
+
+
+def _mod():  # type: ignore[no-untyped-def]
+    import kmod  # type: ignore[import-not-found]
+
+    return importlib.reload(kmod)
+
+
+def _fresh_code_cache(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What a fresh process has loaded: no output-code module (the files stay on disk)."""
+    monkeypatch.setattr(PyCodeCache, "modules", [])
+    monkeypatch.setattr(PyCodeCache, "modules_no_attr", {})
+
+
+def _cold(site: Path, overrides: dict = INDUCTOR) -> dict:
+    """Compile cold (inductor), run, save the bundle; its metadata."""
+    mod = _mod()  # one module object a phase: torch pickles Block.forward by reference
+    model = mod.build().eval()
+    with torch.no_grad():
+        h = apply_manifest(model, "net.surgery.toml", overrides=overrides)
+        for _ in range(2):
+            model(mod.X)
+    saved = h.save_cache()
+    h.restore()
+    torch._dynamo.reset()
+    return saved.metadata
+
+
+def _warm(site: Path, overrides: dict = INDUCTOR
+          ) -> tuple[kernel_ids.KernelCheck, object, list[str]]:
+    mod = _mod()
+    model = mod.build().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            h = apply_manifest(model, "net.surgery.toml", overrides=overrides, cache=True)
+            model(mod.X)
+    check = kernel_ids.check_kernels(h)
+    h.restore()
+    return check, h.report, [str(w.message) for w in caught
+                             if issubclass(w.category, CacheIgnoredWarning)]
+
+
+def test_warm_start_runs_the_code_the_cold_frames_ran(site, monkeypatch) -> None:
+    """The record lists the cold frames' output code; a warm start (artifacts, no dynamo) in a
+    process with no code loaded runs exactly that code: the check says the same, and it had
+    something to compare (not an empty census)."""
+    meta = _cold(site)
+    record = meta["precompiled"][kernel_ids.KERNELS_FIELD]
+    assert record["format"] == kernel_ids.KERNELS_FORMAT and len(record["code"]) >= 1, record
+    _fresh_code_cache(monkeypatch)
+    check, report, ignored = _warm(site)
+    assert not ignored and report.cache.precompiled == 1, report.cache  # type: ignore[attr-defined]
+    assert [r.compiles for r in report.records] == [0, 0]  # type: ignore[attr-defined]
+    now = kernel_ids.census()
+    assert len(now.code) >= 1 and set(now.code) <= set(record["code"]), (now.code, record)
+    assert check.recorded and check.same, check.line()
+    assert check.line().startswith("kernels: the cold run's")
+
+
+def test_an_artifact_compiled_other_than_the_cold_frames_is_reported(site, monkeypatch) -> None:
+    """An artifact whose code differs from what ran cold (here: compiled without inductor's
+    size asserts and with the C++ kernels' SIMD width at 1, which the cold frames did not use)
+    is caught: the check names new code and says DIFFER. (A record taken after the precompile
+    would list the artifact's code too, and say same.)"""
+    real = precompiled._compile_options
+
+    def other(group):  # type: ignore[no-untyped-def]
+        backend, options = real(group)
+        return backend, {**options, "size_asserts": False, "cpp.simdlen": 1}
+
+    monkeypatch.setattr(precompiled, "_compile_options", other)
+    _cold(site)
+    _fresh_code_cache(monkeypatch)
+    check, report, _ = _warm(site)
+    assert report.cache.precompiled == 1  # type: ignore[attr-defined]
+    assert check.recorded and not check.same and check.new_code, check.line()
+    assert "DIFFER" in check.line()
+
+
+def test_a_bundle_without_a_record_is_not_called_checked(site, monkeypatch) -> None:
+    """A format-3 bundle written before records loads as before; the check says NOT CHECKED,
+    never "same"."""
+    path = str(site / "net.surgery.cache")
+    _cold(site, AOT)
+    meta, blob = bundle.read_bundle(path, key=KEY)
+    meta["precompiled"].pop(kernel_ids.KERNELS_FIELD)
+    meta.pop("blob")
+    bundle.write_bundle(path, blob, meta, key=KEY)
+    _fresh_code_cache(monkeypatch)
+    check, report, ignored = _warm(site, AOT)
+    assert not ignored and report.cache.precompiled == 1  # type: ignore[attr-defined]
+    assert not check.recorded and not check.same and "NOT CHECKED" in check.line()
+
+
+DAMAGES = [
+    pytest.param({"format": 2, "code": [], "triton": {}}, id="format"),
+    pytest.param({"format": True, "code": [], "triton": {}}, id="bool-format"),
+    pytest.param({"format": 1, "code": ["a"] * (kernel_ids.MAX_KERNELS + 1), "triton": {}},
+                 id="too-many"),
+    pytest.param({"format": 1, "code": [3], "triton": {}}, id="not-text"),
+    pytest.param({"format": 1, "code": [], "triton": {"h": ["name", "x" * 513]}},
+                 id="long-config"),
+    pytest.param({"format": 1, "code": [], "triton": {"h": "name"}}, id="entry-shape"),
+    pytest.param([1, 2], id="not-a-dict"),
+]
+
+
+def _damaged(path: str, genuine: tuple[dict, bytes], damage: object) -> None:
+    meta, blob = genuine
+    meta = {**meta, "precompiled": {**meta["precompiled"], kernel_ids.KERNELS_FIELD: damage}}
+    meta.pop("blob")
+    bundle.write_bundle(path, blob, meta, key=KEY)
+
+
+def test_a_malformed_record_ignores_the_bundle_with_one_warning(site) -> None:
+    """Signed with the deployer's key, yet not the record surgery writes: the bundle is
+    refused before torch sees a byte, never an exception; through apply_manifest, one warning
+    and a compile as usual."""
+    path = str(site / "net.surgery.cache")
+    _cold(site, AOT)
+    manifest = load_manifest("net.surgery.toml")
+    genuine = bundle.read_bundle(path, key=KEY)
+    for p in DAMAGES:
+        _damaged(path, genuine, p.values[0])  # type: ignore[arg-type]
+        opened = cache.open_bundle(path, manifest=manifest, overrides=AOT, device="cpu")
+        assert not opened.loaded and "kernel record" in opened.reason, (p.id, opened.reason)
+    _check, report, ignored = _warm(site, AOT)
+    assert len(ignored) == 1 and "kernel record" in ignored[0], ignored
+    assert report.cache.loaded is False  # type: ignore[attr-defined]
+    assert all(r.status == "compiled" for r in report.records)  # type: ignore[attr-defined]
+
+
+def test_a_hostile_record_at_its_bounds_parses_fast() -> None:
+    big = {"format": 1, "code": ["c" * 512] * kernel_ids.MAX_KERNELS,
+           "triton": {f"{i:0512d}": ["n" * 512, "x" * 512] for i in range(kernel_ids.MAX_KERNELS)}}
+    t = time.perf_counter()
+    rec = kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD: big}})
+    assert rec is not None and len(rec.triton) == kernel_ids.MAX_KERNELS
+    assert time.perf_counter() - t < 1.0
+
+
+# --- Triton kernels: stand-ins with a CachingAutotuner's fields ----------------------------------
+
+class _Config:
+    def __init__(self, xblock: int, rblock: int) -> None:
+        self.kwargs = {"XBLOCK": xblock, "R0_BLOCK": rblock}
+        self.num_warps, self.num_stages = 4, 1
+
+
+class _Launcher:
+    def __init__(self, config: _Config) -> None:
+        self.config = config
+
+
+class _Kernel:
+    """A reduction with two candidate configs, as torch leaves it after a cache miss."""
+
+    def __init__(self, configs: list[_Config], *, state: str = "miss") -> None:
+        self.fn = object()
+        self.kernel_hash = "c" * 52
+        self.configs = list(configs)
+        self.compile_results: list[object] = []
+        self.launchers = [_Launcher(c) for c in configs]
+        self.autotune_cache_info = {"autotune_cache_state": state}
+
+    def autotune(self, pick: int) -> None:  # what a first launch does: keep the fastest
+        if len(self.launchers) > 1:
+            self.launchers = [self.launchers[pick]]
+
+
+A, B = _Config(8, 64), _Config(8, 128)
+
+
+def _loaded(monkeypatch, kernel: _Kernel) -> None:  # type: ignore[no-untyped-def]
+    mod = types.ModuleType("torch._inductor.codecache.fake")
+    mod.triton_red_fused_0 = kernel  # type: ignore[attr-defined]
+    monkeypatch.setattr(PyCodeCache, "modules", [mod])
+    monkeypatch.setattr(PyCodeCache, "modules_no_attr", {})
+
+
+def _record_of_cold(monkeypatch, pick: int) -> kernel_ids.KernelRecord:  # type: ignore[no-untyped-def]
+    cold = _Kernel([A, B])
+    cold.autotune(pick)
+    _loaded(monkeypatch, cold)
+    raw = kernel_ids.kernel_record()
+    assert raw["triton"] == {"c" * 52: ["triton_red_fused_0", kernel_ids.config_text(
+        [A, B][pick])]}, raw
+    rec = kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD: raw}})
+    assert rec is not None
+    return rec
+
+
+def test_a_warm_kernel_that_missed_the_autotune_cache_launches_the_cold_pick(monkeypatch) -> None:
+    """Cold picked B; the warm kernel has both candidates and would pick A (its own timing):
+    the pin leaves it only B, so it launches B and the check says the same."""
+    rec = _record_of_cold(monkeypatch, pick=1)
+    warm = _Kernel([A, B])
+    _loaded(monkeypatch, warm)
+    assert kernel_ids.census().triton["c" * 52][1] is None  # untuned until its first launch
+    assert kernel_ids.pin_kernels(rec) == 1
+    warm.autotune(pick=0)  # nothing left to choose
+    assert [c.kwargs for c in warm.configs] == [B.kwargs]
+    assert [lc.config for lc in warm.launchers] == [B]
+    check = kernel_ids.check_against(rec, kernel_ids.census())
+    assert check.same and check.pinned == 1, check.line()
+
+
+def test_without_the_pin_the_other_pick_is_reported(monkeypatch) -> None:
+    """The same warm kernel, not pinned, autotunes to A: the check names it, cold B, warm A."""
+    rec = _record_of_cold(monkeypatch, pick=1)
+    warm = _Kernel([A, B])
+    _loaded(monkeypatch, warm)
+    warm.autotune(pick=0)
+    check = kernel_ids.check_against(rec, kernel_ids.census())
+    assert not check.same
+    assert check.configs_differ == [("triton_red_fused_0", kernel_ids.config_text(B),
+                                     kernel_ids.config_text(A))]
+
+
+def test_a_pin_never_makes_a_config_the_kernel_lacks(monkeypatch) -> None:
+    """A recorded config that is not among the warm kernel's candidates changes nothing (the
+    record only selects; it never builds a config), and the check says why."""
+    rec = _record_of_cold(monkeypatch, pick=1)
+    warm = _Kernel([A, _Config(16, 32)])
+    _loaded(monkeypatch, warm)
+    assert kernel_ids.pin_kernels(rec) == 0
+    assert len(warm.launchers) == 2 and len(warm.configs) == 2
+    check = kernel_ids.check_against(rec, kernel_ids.census())
+    assert check.not_pinned and "not one of its configs" in check.not_pinned[0]
+    warm.autotune(pick=0)
+    assert not kernel_ids.check_against(rec, kernel_ids.census()).same
+
+
+def test_a_kernel_the_cold_run_did_not_have_is_new(monkeypatch) -> None:
+    rec = _record_of_cold(monkeypatch, pick=0)
+    other = _Kernel([A])
+    other.kernel_hash = "d" * 52
+    _loaded(monkeypatch, other)
+    check = kernel_ids.check_against(rec, kernel_ids.census())
+    assert check.new_kernels == ["triton_red_fused_0"] and not check.same
+
+
+def test_output_code_identity_ignores_only_the_aot_id_line() -> None:
+    src = "# AOT ID: ['0_inference']\nimport torch\nkernel = 1\n"
+    assert kernel_ids.code_identity(src) == kernel_ids.code_identity(
+        src.replace("0_inference", "1_inference"))
+    assert kernel_ids.code_identity(src) != kernel_ids.code_identity(src.replace("1", "2"))
