@@ -36,7 +36,11 @@ the token's real run (the frame's guard manager checked on the call's own argume
 the call, thread CPU time) plus the watch's own check.
 
     python benchmarks/cpu_stack_breakdown.py [--layers 12] [--width 64] [--tokens 32]
-        [--rounds 5] [--guards-twin] [--once-twin]
+        [--rounds 5] [--guards-twin] [--once-twin] [--masks-twin]
+
+``--masks-twin`` builds the stack a second time with surgery.runtime.piece_masks off (on torch
+< 2.14 dynamo folding ``is_exporting()`` to True, so the graph builds the causal mask, and each
+SDPA converting a boolean mask itself: as before it), taking turns: ``stack_over_bool_masks``.
 
 ``--once-twin`` lets the same stack take turns with itself with piece_replay.WEIGHTS_ONCE_A_RUN
 off (each piece checks its weights every call, as before that cut): ``stack_over_per_piece``.
@@ -131,6 +135,19 @@ def full_guard_twin(args: argparse.Namespace) -> Any:
         tree_guards.WATCH_TREES = True
 
 
+def bool_mask_twin(args: argparse.Namespace) -> Any:
+    """The same stack applied with piece_masks off (its graph traced as before it: a causal mask
+    on torch < 2.14, converted by each SDPA)."""
+    from surgery.runtime import piece_masks
+
+    piece_masks.SHARE_MASKS = piece_masks.NOT_EXPORTING = False
+    try:
+        return gpt2_stack_on_stand_in(layers=args.layers, width=args.width, tokens=args.tokens,
+                                      backend=args.backend, source="cpu_stack_breakdown")[1]
+    finally:
+        piece_masks.SHARE_MASKS = piece_masks.NOT_EXPORTING = True
+
+
 def time_guards(into: dict[str, list[float]], models: dict[str, Any]) -> Callable[[], None]:
     """Time, in each stack call of the runs, dynamo's guard check of the stack's frame on the
     call's own arguments (its one cache entry) and the watch's check; returns the undo."""
@@ -175,6 +192,9 @@ def main() -> None:
     ap.add_argument("--once-twin", action="store_true",
                     help="also the same stack with piece_replay.WEIGHTS_ONCE_A_RUN off (each "
                          "piece checks its weights every call, as before), taking turns")
+    ap.add_argument("--masks-twin", action="store_true",
+                    help="also the stack with piece_masks off (each SDPA converting the "
+                         "boolean mask, as before), taking turns")
     args = ap.parse_args()
     import torch
 
@@ -194,6 +214,9 @@ def main() -> None:
     if args.guards_twin:
         models["full"] = full_guard_twin(args)
         identical = identical and bool(torch.equal(generate(models["full"]), want))
+    if args.masks_twin:
+        models["bool_masks"] = bool_mask_twin(args)
+        identical = identical and bool(torch.equal(generate(models["bool_masks"]), want))
     if args.once_twin:  # the same model, the flag off while its turn runs
         models["per_piece"] = model
     ms: dict[str, list[float]] = {k: [] for k in models}
@@ -255,6 +278,12 @@ def main() -> None:
                                          zip(ms["stack"], ms["full"], strict=True)],
                "guard_check_us": {k: round(statistics.median(v), 1) for k, v in guards.items()
                                   if v}} if args.guards_twin else {}),
+           **({"bool_masks_ms_per_token": round(statistics.median(ms["bool_masks"]), 3),
+               "stack_over_bool_masks": round(statistics.median(ms["stack"])
+                                              / statistics.median(ms["bool_masks"]), 3),
+               "round_stack_over_bool_masks": [round(a / b, 3) for a, b in
+                                               zip(ms["stack"], ms["bool_masks"], strict=True)]}
+              if args.masks_twin else {}),
            **({"per_piece_ms_per_token": round(statistics.median(ms["per_piece"]), 3),
                "stack_over_per_piece": round(statistics.median(ms["stack"])
                                              / statistics.median(ms["per_piece"]), 3),
@@ -265,7 +294,11 @@ def main() -> None:
            "piece_replays_per_token": round(replays / args.tokens, 2),
            "us_per_token": {k: round(v, 1) for k, v in own.items()},
            "calls_per_token": calls,
-           "tokens_identical": identical, "compiled_paths": compiled}
+           "tokens_identical": identical, "compiled_paths": compiled,
+           "masks_shared": [g.masks_shared for s in handle._slots if hasattr(s, "group")
+                            for g in s.group.graphs],
+           "ops_between": [g.between_ops for s in handle._slots if hasattr(s, "group")
+                           for g in s.group.graphs]}
     if not compiled or replays == 0:
         print("NOTHING REPLAYED: the stack path did not capture; the breakdown is meaningless",
               file=sys.stderr)

@@ -79,12 +79,8 @@ from surgery.runtime.compile_options import CompilePlan
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.index_select import IndexSelect, find_index_select
 from surgery.runtime.piece_cache import PieceCache
-from surgery.runtime.piecewise_split import (
-    DEFAULT_SPLIT_OPS,
-    SPLIT_OPS,
-    PathPieces,
-    PiecewiseGraph,
-)
+from surgery.runtime.piece_masks import compiling_not_exporting
+from surgery.runtime.piecewise_split import DEFAULT_SPLIT_OPS, SPLIT_OPS, PathPieces, PiecewiseGraph
 from surgery.runtime.piecewise_stack import fallback_of, standby_reason, why_not_piecewise
 from surgery.runtime.report import RegionFallbackWarning, RegionRecord
 from surgery.runtime.resolve import callable_at
@@ -323,8 +319,9 @@ class PiecewiseGroup:
                             sum(s.budget for s in self.slots)))
 
     def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.compiled(module, *args, **kwargs) if self.bound else \
-            self.compiled(*args, **kwargs)
+        # traced, if it traces, as torch.compile and not export (piece_masks: torch < 2.14)
+        return compiling_not_exporting(self.compiled, *((module, *args) if self.bound else args),
+                                       **kwargs)
 
     def _compile_piece(self, gm: fx.GraphModule, example: list[Any]) -> Callable[..., Any]:
         inner: Callable[..., Any] = torch._dynamo.lookup_backend(self.plan.backend)

@@ -27,7 +27,9 @@ callable) and, with CUDA and ``capture = "region"``, captured and replayed by a 
 region path and distinct piece. Its parameters and buffers are read in place, never
 copied: the graph bakes their addresses, and a moved one drops that path's graphs. The split
 nodes run between pieces op by op (eagerly), inlined into the split graph's own forward
-(surgery.runtime.piece_replay has the call-time side: graphs per piece, checks, glue).
+(surgery.runtime.piece_replay has the call-time side: graphs per piece, checks, glue). Before
+the split, the SDPAs that read one dynamic boolean mask get one additive mask, converted once a
+call (surgery.runtime.piece_masks), instead of each converting and padding it.
 
 One FX graph may serve several region paths (identical blocks share compiled code), so the
 per-path state (graphs, counts) is looked up from the path whose call is running.
@@ -48,6 +50,7 @@ from surgery.formats.manifest import PIECEWISE_DEFAULT_SPLIT_OPS, PIECEWISE_SPLI
 from surgery.runtime import piece_replay
 from surgery.runtime.compile_start import launch_bound, light_allowed, light_pieces, size_note
 from surgery.runtime.piece_cache import PieceCache, canonical_graph
+from surgery.runtime.piece_masks import share_masks
 from surgery.runtime.piece_replay import PathPieces, StaticPiece, inline_between
 
 # Ops that always run between pieces: the manifest names some of these (attention by default).
@@ -235,6 +238,7 @@ class PiecewiseGraph:
                   if id(e) in stable_ids or isinstance(e, nn.Parameter)}
         hoist_sizes(gm)
         self.dead_sizes = drop_dead_sizes(gm)  # before the split: never run between pieces
+        self.masks_shared = share_masks(gm)  # SDPAs that read one additive mask (piece_masks)
         between = _merge_free_runs(classify(gm, split_ops=split_ops, cache_inputs=cache_inputs))
         part: dict[fx.Node, int] = {}
         pid, last = 0, None
