@@ -32,6 +32,9 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   start (ask for it with --arms). The arm sdpa_piecewise_light of w19s measured
                   what is now sdpa_piecewise itself.
   gpt2_eager      GPT-2 small (random weights, fp32) `generate()` of 64 new tokens at batch 1
+  gpt2_names      `plan --model ...` without --piecewise: the names-only plan of GPT-2, its
+                  cold start the figure the stack's must not exceed (issue 19; ask for it with
+                  --arms, beside gpt2_ab or gpt2_stack: each arm's process has fresh caches)
   gpt2_piecewise  `plan --model ... --piecewise`, per-block layout (planning.stacks.drop_stacks):
                   its 12 blocks piecewise, each entered through dynamo every token
   gpt2_stack      `plan --model ... --piecewise` as planned: `transformer` as ONE piecewise
@@ -49,6 +52,11 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   the module tree, as before tree_guards); ``full_ms_per_token`` and
                   ``watched_over_full`` (the stack's median over the full-guard stack's), each
                   round's ratio, tokens identical for all three (ask for it with --arms)
+  gpt2_ab_masks   gpt2_ab with a third model taking turns: the stack applied with
+                  surgery.runtime.piece_masks off (on torch < 2.14 its graph builds the causal
+                  mask eager skips, and each SDPA converts it, as before y19a):
+                  ``before_ms_per_token``, ``stack_over_before``, each round's ratio, and the
+                  twin's ops between pieces (ask for it with --arms)
   gpt2_ab_once    gpt2_ab with the same stack taking a third turn with
                   surgery.runtime.piece_replay.WEIGHTS_ONCE_A_RUN off (each piece checks its
                   weights every call, as before x19g): ``per_piece_ms_per_token`` and
@@ -135,10 +143,10 @@ from _host_profile import host_profile  # noqa: E402
 ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "sdpa_piecewise_before", "sdpa_piecewise_unshared", "sdpa_piecewise_noselect",
         "sdpa_piecewise_lightfusion", "sdpa_piecewise_trunkfull", "sdpa_piecewise_fused",
-        "gpt2_eager", "gpt2_piecewise",
+        "gpt2_eager", "gpt2_names", "gpt2_piecewise",
         "gpt2_stack",
         "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards",
-        "gpt2_ab_once")
+        "gpt2_ab_once", "gpt2_ab_masks")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
@@ -147,7 +155,8 @@ DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_fused", "gpt2_ab",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
                                                   "gpt2_ab_fused", "gpt2_ab_guards",
-                                                  "gpt2_ab_once"))
+                                                  "gpt2_ab_once", "gpt2_names",
+                                                  "gpt2_ab_masks"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -473,8 +482,12 @@ def _gpt2_plan(arm: str, model: Any, ids: Any, out: dict[str, Any]) -> Any:
     from surgery.planning.stacks import drop_stacks
 
     manifest = plan_model("gpu_piecewise:gpt2", compile=compile_defaults(),
-                          piecewise=True).manifest
-    if arm == "gpt2_piecewise":  # the per-block layout, as before the stack region
+                          piecewise=arm != "gpt2_names").manifest
+    if arm == "gpt2_names":  # names only: no piecewise region, and not an empty plan
+        if not manifest.regions or any(r.kind == "piecewise" for r in manifest.regions):
+            raise RuntimeError(f"the names-only plan of GPT-2 has regions "
+                               f"{[(r.kind, r.paths) for r in manifest.regions]}")
+    elif arm == "gpt2_piecewise":  # the per-block layout, as before the stack region
         drop_stacks(manifest)
     elif not any(r.paths == ["transformer"] for r in manifest.regions):
         raise RuntimeError("the plan has no stack region over `transformer`")
@@ -520,7 +533,8 @@ def run_gpt2(arm: str) -> dict[str, Any]:
         cold_start_as_before()
     if arm == "gpt2_stack_fused":
         pieces_fused()
-    if arm in ("gpt2_piecewise", "gpt2_stack", "gpt2_stack_before", "gpt2_stack_fused"):
+    if arm in ("gpt2_names", "gpt2_piecewise", "gpt2_stack", "gpt2_stack_before",
+               "gpt2_stack_fused"):
         manifest = _gpt2_plan(arm, model, ids, out)
         t0 = time.perf_counter()
         handle = _apply_gpt2(model, manifest, ids, cuda)
@@ -597,6 +611,16 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
         finally:
             tree_guards.WATCH_TREES = True
         first["full"] = time_call(lambda: _generate(models["full"], ids), cuda=cuda)[0]
+    if arm == "gpt2_ab_masks":  # the stack again, its graph traced as before piece_masks
+        from surgery.runtime import piece_masks
+
+        models["before"] = copy.deepcopy(eager)
+        piece_masks.SHARE_MASKS = piece_masks.NOT_EXPORTING = False
+        try:  # its traces: the apply's warm-up and the first full-length generate()
+            before = _apply_gpt2(models["before"], manifest, ids, cuda)
+            first["before"] = time_call(lambda: _generate(models["before"], ids), cuda=cuda)[0]
+        finally:
+            piece_masks.SHARE_MASKS = piece_masks.NOT_EXPORTING = True
     if arm == "gpt2_ab_once":  # the same stack, each piece checking its weights every call
         models["per_piece"], first["per_piece"] = stack, first["stack"]
     times: dict[str, list[float]] = {k: [] for k in models}
@@ -639,6 +663,15 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
                    round_stack_over_per_piece=[round(a / b, 3) for a, b in
                                                zip(times["stack"], times["per_piece"],
                                                    strict=True)])
+    if "before" in models:
+        twin: dict[str, Any] = {}
+        _piecewise_counts(before, twin)
+        out.update(stack_over_before=round(out["stack_ms_per_token"]
+                                           / out["before_ms_per_token"], 3),
+                   round_stack_over_before=[round(a / b, 3) for a, b in
+                                            zip(times["stack"], times["before"], strict=True)],
+                   before_ops_between_per_call=twin.get("ops_between_per_call"),
+                   before_recompiles=twin.get("piecewise_recompiles"))
     if "full" in models:
         out.update(watched_over_full=round(out["stack_ms_per_token"]
                                            / out["full_ms_per_token"], 3),
@@ -728,6 +761,14 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
                         f"{r['per_piece_ms_per_token']:.3f} ms a token; once a run / per piece "
                         f"**{r['stack_over_per_piece']:.3f}** (rounds "
                         f"{r['round_stack_over_per_piece']})")
+        if "before_ms_per_token" in r:
+            rows.append(f"\n{r['arm']}: the stack with piece_masks off "
+                        f"{r['before_ms_per_token']:.3f} / {r['before_p90_ms_per_token']:.3f} "
+                        f"ms a token ({r['before_ops_between_per_call']} ops between, "
+                        f"{r['before_recompiles']} recompiles); stack / before "
+                        f"**{r['stack_over_before']:.3f}** (rounds "
+                        f"{r['round_stack_over_before']}); eager / before "
+                        f"{r['eager_ms_per_token'] / r['before_ms_per_token']:.2f}x")
         if "full_ms_per_token" in r:
             rows.append(
                 f"\n{r['arm']}: the stack with full guards {r['full_ms_per_token']:.3f} / "
