@@ -513,7 +513,10 @@ def _peak_gib(base: int, cuda: bool) -> float:
 def _env(cuda: bool) -> dict[str, str]:
     import torch
 
-    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    import transformers
+
+    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def run_gpt2(arm: str) -> dict[str, Any]:
