@@ -512,7 +512,6 @@ def _peak_gib(base: int, cuda: bool) -> float:
 
 def _env(cuda: bool) -> dict[str, str]:
     import torch
-
     import transformers
 
     return {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
