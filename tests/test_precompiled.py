@@ -615,6 +615,8 @@ def test_cuda_fresh_process_loads_without_a_compile_pool_with_keys_hashed_beside
     assert got["frames"] == 0 and all(n >= 1 for n in got["replays"]), got
     assert "torch_key" in got["keys"].get("keys", {}), got  # hashed in the thread
     assert "keys_wait" in got["steps"], got
+    assert "triton_driver" in got["keys"].get("build", {}), got  # built in the thread, beside
+    assert "failed" not in got["keys"], got
     assert got["pools"] == 0 and not got["ready_future"], got  # no compile pool started
     assert got["close"], got
 

@@ -149,32 +149,93 @@ def test_a_native_build_that_fails_in_its_thread_runs_in_the_set_up(monkeypatch)
     assert "RuntimeError: no compiler" in setup.keys["failed"]["cpu_isa_probe"]
 
 
-def test_the_cpu_build_thread_imports_no_module_and_fills_torchs_cache() -> None:
-    """A fresh interpreter and an empty inductor cache: the real ISA probe, run in the prefetch
-    thread, imports nothing (its modules came first, on the caller's thread: two threads
-    importing torch's circular modules at once can deadlock in the import lock), and leaves
-    torch's cached answer that the loader's own call then reads."""
-    code = textwrap.dedent("""
-        import json, sys
-        import surgery.runtime.apply
-        from surgery.runtime.warm_loader import KeyPrefetch
-        pre = KeyPrefetch.start("cpu")
-        started = set(sys.modules)
-        pre.wait_build()
+_BUILD_ALONE = """
+    import json, sys
+    import torch
+    import surgery.runtime.apply
+    from surgery.runtime.warm_loader import KeyPrefetch
+    device = sys.argv[1]
+    if device == "cuda":
+        torch.cuda.init()
+    pre = KeyPrefetch.start(device)
+    started = set(sys.modules)
+    pre.wait_build()
+    if device == "cuda":
+        from triton.runtime import driver
+        made = vars(driver)  # triton 3.6+: _default; older: a LazyProxy's _obj
+        cached = int(made.get("_default") is not None
+                     or getattr(made.get("default"), "_obj", None) is not None)
+    else:
         from torch._inductor import cpu_vec_isa
-        print(json.dumps({"new": sorted(set(sys.modules) - started), "summary": pre.summary(),
-                          "cached": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize}))
-    """)
+        cached = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    print(json.dumps({"new": sorted(set(sys.modules) - started), "summary": pre.summary(),
+                      "cached": cached}))
+"""
+
+
+def _build_alone(device: str) -> dict:
+    """A fresh interpreter, empty inductor and Triton caches: the prefetch's native build alone,
+    with the modules it imported in its thread and whether torch's or triton's cache holds it."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=600)
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(_BUILD_ALONE), device],
+                             env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_the_cpu_build_thread_imports_no_module_and_fills_torchs_cache() -> None:
+    """The real ISA probe, run in the prefetch thread, imports nothing (its modules came first,
+    on the caller's thread: two threads importing torch's circular modules at once can deadlock
+    in the import lock), and leaves torch's cached answer that the loader's own call reads."""
+    got = _build_alone("cpu")
     assert got["new"] == [], got["new"][:20]
     assert "failed" not in got["summary"] and got["summary"]["build"]["cpu_isa_probe"] > 0
     assert got["cached"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_build_thread_imports_no_module_and_leaves_tritons_driver() -> None:
+    """The same on CUDA: Triton's driver utilities, built in the thread, import nothing there
+    (CUDA_BUILD_MODULES came first) and leave Triton's driver made."""
+    got = _build_alone("cuda")
+    assert got["new"] == [], got["new"][:20]
+    assert "failed" not in got["summary"], got["summary"]
+    assert got["summary"]["build"]["triton_driver"] > 0 and got["cached"] == 1
+
+
+@pytest.mark.parametrize("admit, runners, starts", [
+    pytest.param(True, {}, True, id="artifacts"),
+    pytest.param(True, {"group": {"sig": object()}}, False, id="runners-for-all"),
+    pytest.param(False, {}, False, id="refused"),
+])
+def test_the_prefetch_starts_once_the_bundle_is_admitted_before_its_mega_cache_load(
+        monkeypatch, admit: bool, runners: dict, starts: bool) -> None:
+    """The keys and the native build start right after the bundle's checks passed, so they run
+    beside the Mega-Cache load too; never for a bundle that failed a check (nothing of it is
+    trusted), nor when runners replace every artifact (they need neither)."""
+    from surgery.runtime import cache
+
+    order: list[str] = []
+    artifacts = {"group": {"sig": (b"x", MODES, [])}}
+    monkeypatch.setattr(cache, "_admit", lambda *a, **k: (
+        ((b"", artifacts, runners, None), "") if admit else (None, "forged: bad MAC")))
+    monkeypatch.setattr(cache, "load_megacache",
+                        lambda path, blob: (order.append("mega-cache"), ("", {}))[1])
+    monkeypatch.setattr(KeyPrefetch, "start", classmethod(
+        lambda cls, device: (order.append("prefetch"), cls([], None))[1]))
+    m = Manifest("v2:sha256:" + "0" * 64, [Region("block", ["a"])])
+    with pytest.warns(Warning) if not admit else contextlib.nullcontext():
+        record, pre = precompiled.load_for_apply("x.surgery.cache", manifest=m, overrides={},
+                                                 device="cpu", notes=[])
+    assert record.loaded is admit
+    assert ("prefetch" in order) is starts, order
+    if starts:
+        assert order == ["prefetch", "mega-cache"]
+    assert (pre is not None and pre.keys is not None) is starts
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,12 +122,16 @@ def load_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
 
 
 def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] | None,
-                device: str, defer: bool = False) -> OpenedBundle:
+                device: str, defer: bool = False,
+                admitted: Callable[[Parsed, AotiParsed], None] | None = None) -> OpenedBundle:
     """Hand the bundle's Mega-Cache part to ``torch.compiler.load_cache_artifacts``, and return
     its precompiled part, if, and only if, it is signed with the deployer's key
     (surgery.runtime.signing) and fits this manifest and machine. With ``defer`` and AOTInductor
     packages in the bundle, the Mega-Cache part is returned unloaded (``pending``): runners need
     none of it, and its load imports inductor's caches (surgery.runtime.aoti_bundle).
+    ``admitted(precompiled, aoti)`` is called once every check passed, before the Mega-Cache
+    load: work that the artifacts will need and that needs no byte of the bundle (the loader's
+    keys and native build, surgery.runtime.warm_loader) can start there, beside that load.
 
     Never raises for a bad bundle: the caller compiles as usual. No byte of the bundle reaches
     torch, or the caller, unless every check passed.
@@ -139,6 +143,8 @@ def open_bundle(path: str, *, manifest: Manifest, overrides: Mapping[str, Any] |
     if parts is None:
         return OpenedBundle(False, one_line(why), {})
     blob, precompiled, aoti, kernels = parts
+    if admitted is not None:
+        admitted(precompiled, aoti)
     counts: dict[str, int] = {}
     if not (defer and aoti):
         failed, counts = load_megacache(path, blob)

@@ -328,26 +328,26 @@ def load_for_apply(cache: str | os.PathLike[str] | bool, *, manifest: Manifest,
                    keys: KeyPrefetch | None = None) -> tuple[CacheRecord, Loaded | None]:
     """Load a compile-cache bundle when it verifies and fits: its Mega-Cache part into torch's
     caches, and its precompiled part for the groups to take as they install. Otherwise warn
-    once, say why in ``notes``, and return no artifacts. ``keys``: the one-time keys being
-    computed meanwhile (surgery.runtime.warm_loader): by default started here, once the bundle
-    holds artifacts no runner replaces, and waited for before any artifact loads."""
-    src = manifest.source_path
-    if isinstance(cache, bool):  # True: the bundle beside the manifest file
-        path = default_bundle_path(src) if src else ""
-    else:
-        path = os.fspath(cache)
+    once, say why in ``notes``, and return no artifacts. ``keys``: the one-time keys and native
+    build being computed meanwhile (surgery.runtime.warm_loader): by default started here, once
+    the bundle passed its checks and holds artifacts no runner replaces, before its Mega-Cache
+    part loads, and waited for before any artifact loads."""
+    src = manifest.source_path  # cache=True: the bundle beside the manifest file
+    path = os.fspath(cache) if not isinstance(cache, bool) else \
+        default_bundle_path(src) if src else ""
     loaded, why = False, "cache=True, but the manifest has no file to find a bundle beside"
-    pre = None
+    pre, prefetch = None, [keys]
+
+    def admitted(entries: Parsed, aoti: AotiParsed) -> None:  # before the Mega-Cache load
+        if prefetch[0] is None and any(set(v) - set(aoti.get(k, {})) for k, v in entries.items()):
+            prefetch[0] = KeyPrefetch.start(device)  # artifacts to load: their one-time work
     if path:
         with serial_kernel_loads(device):  # a torch whose import starts the pool does not
             opened = open_bundle(path, manifest=manifest, overrides=overrides, device=device,
-                                 defer=aoti_missing() is None)
+                                 defer=aoti_missing() is None, admitted=admitted)
         loaded, why = opened.loaded, opened.reason
-        pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=keys,
+        pre = Loaded(opened.precompiled, device=device, aoti=opened.aoti, keys=prefetch[0],
                      kernels=opened.kernels) if opened.precompiled or opened.aoti else None
-        if pre is not None and keys is None and any(  # artifacts to load: hash keys meanwhile
-                set(v) - set(opened.aoti.get(k, {})) for k, v in opened.precompiled.items()):
-            pre.keys = KeyPrefetch.start(device)
         if pre is not None and opened.pending is not None:
             pre.deferred = DeferredMegaCache(path, opened.pending, device=device)
             pre.deferred.arm()
