@@ -121,6 +121,14 @@ class CacheBundleError(SurgeryError):
         self.path = path
 
 
+class BytecodeFolderError(SurgeryError):
+    """A bytecode folder (`surgery bytecode`) that is not private, or a compile that failed."""
+
+    def __init__(self, message: str, *, path: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.path = path
+
+
 class CacheKeyError(SurgeryError):
     """No usable key to sign or check compile-cache bundles: none set, unreadable, or too short.
 

@@ -69,8 +69,9 @@ def _owner_ok(st: os.stat_result, *, mine_only: bool) -> bool:
     return st.st_uid == uid or (not mine_only and st.st_uid == 0)
 
 
-def dir_problem(path: str, env: str) -> str | None:
-    """Why a bundle's code must not go into the folder ``path`` (None: it is private)."""
+def dir_problem(path: str, env: str, *, what: str = "torch's cache folder") -> str | None:
+    """Why a bundle's code must not go into the folder ``path`` (None: it is private);
+    ``what`` names the folder in the reason (surgery.runtime.bytecode checks its own too)."""
     if not hasattr(os, "geteuid"):  # not POSIX: no owners and modes to check
         return None
     fix = (f"make it private (`chmod 700 {path}`, owned by you) or point {env} at a "
@@ -80,30 +81,30 @@ def dir_problem(path: str, env: str) -> str | None:
         real = os.path.realpath(path)
         st = os.stat(real)
     except OSError as e:
-        return f"torch's cache folder {path} cannot be made or read ({e.strerror}); {fix}"
+        return f"{what} {path} cannot be made or read ({e.strerror}); {fix}"
     if not stat.S_ISDIR(st.st_mode):
-        return f"torch's cache folder {path} is not a folder; {fix}"
+        return f"{what} {path} is not a folder; {fix}"
     if not _owner_ok(st, mine_only=True):
-        return (f"torch's cache folder {real} belongs to uid {st.st_uid}, not to this user, "
-                f"who could put code there for torch to load; {fix}")
+        return (f"{what} {real} belongs to uid {st.st_uid}, not to this user, "
+                f"who could put code there to be loaded; {fix}")
     group_mine = st.st_gid == os.getegid()
     if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not group_mine):
-        return (f"torch's cache folder {real} is writable by others (mode "
-                f"{stat.S_IMODE(st.st_mode):04o}), so code could be swapped there before torch "
-                f"loads it; {fix}")
+        return (f"{what} {real} is writable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}), so code could be swapped there before it is "
+                f"loaded; {fix}")
     parent = os.path.dirname(real)
     while True:
         try:
             pst = os.stat(parent)
         except OSError as e:
-            return f"the folder {parent} above torch's cache cannot be read ({e.strerror}); {fix}"
+            return f"the folder {parent} above {what} cannot be read ({e.strerror}); {fix}"
         open_to_others = pst.st_mode & stat.S_IWOTH or (
             pst.st_mode & stat.S_IWGRP and pst.st_gid != os.getegid())
         if not _owner_ok(pst, mine_only=False) or (open_to_others and
                                                    not pst.st_mode & stat.S_ISVTX):
-            return (f"the folder {parent} above torch's cache folder {real} can be changed by "
+            return (f"the folder {parent} above {what} {real} can be changed by "
                     f"others (owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):04o}), "
-                    f"who could replace the cache folder; {fix}")
+                    f"who could replace it; {fix}")
         up = os.path.dirname(parent)
         if up == parent:
             return None
