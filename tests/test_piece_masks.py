@@ -143,8 +143,8 @@ def test_a_padded_batch_converts_its_mask_once_a_token_and_keeps_every_bit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2 (3 blocks) through generate() on a left-padded batch of 2 (a boolean padding mask
     in the graph on every torch): with the pass, no SDPA converts it (the graph does, once a
-    decode token), without it each of the 3 does; tokens, cache and logits identical with and without it and
-    to eager's; no recompile as the cache grows."""
+    decode token), without it each of the 3 does; tokens, cache and logits identical with and
+    without it and to eager's; no recompile as the cache grows."""
     ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(3))
     pad = torch.ones(2, 6, dtype=torch.long)
     pad[1, :2] = 0
@@ -197,7 +197,7 @@ def test_decoding_without_padding_attends_with_no_mask_as_eager_does(
 def test_the_export_flag_reads_false_only_while_a_piecewise_call_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The table entry is False inside the call, put back after, nested calls and a raise
-    included; with the fix off it is never touched."""
+    included; inside a real export, or with the fix off, it is never touched."""
     key = torch.compiler.is_exporting
     table = {key: True}
     monkeypatch.setattr(piece_masks, "_table", table)
@@ -212,6 +212,9 @@ def test_the_export_flag_reads_false_only_while_a_piecewise_call_runs(
     with pytest.raises(ValueError, match="own error"):
         piece_masks.compiling_not_exporting(inner)
     assert seen == [False, False, False] and table == {key: True}
+    with monkeypatch.context() as m:  # inside a real export: its answer stands
+        m.setattr(torch.compiler, "_is_exporting_flag", True)
+        assert piece_masks.compiling_not_exporting(lambda: table[key]) is True
     monkeypatch.setattr(piece_masks, "NOT_EXPORTING", False)
     assert piece_masks.compiling_not_exporting(lambda: table[key]) is True
 

@@ -11,20 +11,39 @@ graph built the causal mask as a boolean tensor (``arange(L) <= position``, 8 op
 pieces) and handed it to all 12 SDPAs, which eager's attention never sees. While a piecewise
 group's compiled function runs (``compiling_not_exporting``), that table entry reads False: what
 ``is_exporting()`` returns outside an export, and what torch 2.14's dynamo reads there (the
-real flag). Nothing else in the table changes, the entry is put back after each call (nested
-calls restore what they found), and on torch 2.14 and later, or where the table is not found,
-nothing is touched. One limit: the table is the process's, so a ``torch.export`` traced in
-another thread *while* a piecewise call runs would read False too.
+real flag). Never inside a real export (``torch.compiler.is_exporting()`` called outside a
+trace reads the flag torch.export sets). Nothing else in the table changes, the entry is put
+back after each call (nested calls restore what they found), and on torch 2.14 and later, or
+where the table is not found, nothing is touched. One limit: the table is the process's, so
+a ``torch.export`` traced in another thread *while* a piecewise call runs would read False.
 
 **One additive mask, not one per attention.** Where a boolean mask remains (a padding mask:
 ``generate()`` of a left-padded batch; any model that builds its own), SDPA converts it to an
-additive one on every call (ATen's ``convert_boolean_attn_mask``: a ``logical_not``, a
-``where`` and a scalar tensor, in the query's dtype), and CUDA's memory-efficient kernel then
+additive one on every call (ATen's ``convert_boolean_attn_mask``: a ``where`` over its
+inverse and scalar tensors, in the query's dtype), and CUDA's memory-efficient kernel then
 pads a mask whose rows are not aligned (``preprocess_mask`` -> ``pad_bias``: a new tensor and a
 copy) on every call: some six more ATen ops and kernel launches per layer than eager's
 attention. ``share_masks`` (run by surgery.runtime.piecewise_split on each graph dynamo hands
 over, before the split) converts it once a call, before the first attention, into rows padded
 to a multiple of ``ALIGN`` elements, and every SDPA that read the boolean mask reads that one.
+
+Exactly the same values. The float mask holds 0 where the boolean one is True and -inf where it
+is False, in the query's dtype: what ``convert_boolean_attn_mask`` computes, so every backend
+adds the same bias (fully masked rows included). The one backend that converts differently is
+cuDNN's, which writes a finite -65504 instead of -inf (``convert_boolean_attn_mask_cudnn``; a
+fully masked row then attends uniformly instead of giving 0). cuDNN attention takes only half
+precision, so the boolean mask is kept, per call, whenever cuDNN could be chosen: a CUDA mask
+with a half-precision query (or CUDA autocast on) while ``cudnn_sdp_enabled()``; the graph then
+runs as it did before this pass. The shape is the boolean mask's (broadcast dims filled); only
+the strides differ, which no backend reads as values.
+
+Which masks. A graph input or op result of dtype bool with a dynamic size (the cache length: so
+the conversion runs between pieces, never inside a captured one), read as ``attn_mask`` by at
+least two SDPAs whose queries have one dtype. A mask that one attention reads gains only the
+pad, and is left alone. Memory: one float mask held for the graph's run (a row of the cache
+length per query and batch row) instead of one per attention in turn.
+
+``SHARE_MASKS`` and ``NOT_EXPORTING`` (True) turn each part off, for an A/B in one process.
 """
 
 from __future__ import annotations
@@ -78,7 +97,7 @@ def compiling_not_exporting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     """``fn(*args, **kwargs)`` with dynamo tracing ``torch.compiler.is_exporting()`` as False
     (torch < 2.14; see the module docstring), the table entry put back after."""
     table = exporting_table()
-    if table is None:
+    if table is None or torch.compiler.is_exporting():  # a real export: its answer stands
         return fn(*args, **kwargs)
     key = torch.compiler.is_exporting
     prev, table[key] = table[key], False
