@@ -42,6 +42,10 @@ the call, thread CPU time) plus the watch's own check.
 < 2.14 dynamo folding ``is_exporting()`` to True, so the graph builds the causal mask, and each
 SDPA converting a boolean mask itself: as before it), taking turns: ``stack_over_bool_masks``.
 
+``--plan-twin`` lets the same stack take turns with itself with piece_replay.STEADY_PLANS off
+(every replay through ``RegionGraphs.__call__``, as before surgery.runtime.graphs.steady):
+``stack_over_no_plan``. Every arm's tokens are compared with eager's in every round.
+
 ``--once-twin`` lets the same stack take turns with itself with piece_replay.WEIGHTS_ONCE_A_RUN
 off (each piece checks its weights every call, as before that cut): ``stack_over_per_piece``.
 """
@@ -52,6 +56,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -189,6 +194,9 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "eager"))
     ap.add_argument("--guards-twin", action="store_true",
                     help="also the stack with tree_guards off, taking turns (see above)")
+    ap.add_argument("--plan-twin", action="store_true",
+                    help="also the same stack with piece_replay.STEADY_PLANS off (every replay "
+                         "through RegionGraphs.__call__, as before graphs.steady), taking turns")
     ap.add_argument("--once-twin", action="store_true",
                     help="also the same stack with piece_replay.WEIGHTS_ONCE_A_RUN off (each "
                          "piece checks its weights every call, as before), taking turns")
@@ -219,18 +227,22 @@ def main() -> None:
         identical = identical and bool(torch.equal(generate(models["bool_masks"]), want))
     if args.once_twin:  # the same model, the flag off while its turn runs
         models["per_piece"] = model
+    if args.plan_twin:  # the same model, steady plans off while its turn runs
+        models["no_plan"] = model
     ms: dict[str, list[float]] = {k: [] for k in models}
     guards: dict[str, list[float]] = {"stack": [], "full": [], "watch": []}
     names = list(models)
     for i in range(args.rounds):
         for arm in names[i % len(names):] + names[:i % len(names)]:
             piece_replay.WEIGHTS_ONCE_A_RUN = arm != "per_piece"
+            piece_replay.STEADY_PLANS = arm != "no_plan"
             t = CLOCK()
-            generate(models[arm])
+            got = generate(models[arm])
             ms[arm].append((CLOCK() - t) * 1e3 / args.tokens)
-        piece_replay.WEIGHTS_ONCE_A_RUN = True
+            identical = identical and bool(torch.equal(got, want))
+        piece_replay.WEIGHTS_ONCE_A_RUN = piece_replay.STEADY_PLANS = True
     replays = (sum(r.cuda_graph_replays for r in handle.report) - replays0) / args.rounds \
-        / (2 if args.once_twin else 1)  # the per_piece arm runs the same model
+        / (1 + args.once_twin + args.plan_twin)  # the twins' arms run the same model
     if args.guards_twin:  # the guard checks timed in runs of their own (they double them)
         undo = time_guards(guards, models)
         for i in range(args.rounds):
@@ -290,6 +302,13 @@ def main() -> None:
                "round_stack_over_per_piece": [round(a / b, 3) for a, b in
                                               zip(ms["stack"], ms["per_piece"], strict=True)]}
               if args.once_twin else {}),
+           **({"no_plan_ms_per_token": round(statistics.median(ms["no_plan"]), 3),
+               "stack_over_no_plan": round(statistics.median(ms["stack"])
+                                           / statistics.median(ms["no_plan"]), 3),
+               "round_stack_over_no_plan": [round(a / b, 3) for a, b in
+                                            zip(ms["stack"], ms["no_plan"], strict=True)]}
+              if args.plan_twin else {}),
+           "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
            "timed_decode_ms_per_token": round(inclusive["generate"] / 1e3, 3),
            "piece_replays_per_token": round(replays / args.tokens, 2),
            "us_per_token": {k: round(v, 1) for k, v in own.items()},

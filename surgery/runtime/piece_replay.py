@@ -57,6 +57,7 @@ from torch import fx, nn
 
 from surgery.runtime.graphs.capture import Capturer
 from surgery.runtime.graphs.replay import RegionGraphs
+from surgery.runtime.graphs.steady import SteadyReplay, steady_plan
 from surgery.runtime.piece_cache import Piece, PieceCache
 from surgery.runtime.piece_restride import RestridedPiece
 
@@ -189,6 +190,9 @@ class PathPieces:
 _DATA_PTR = torch.Tensor.data_ptr
 # Weights checked once a split graph's run (False: by every piece, every call, as before)
 WEIGHTS_ONCE_A_RUN = True
+# Steady replays by plan, their checks folded (graphs.steady; False: every replay takes
+# RegionGraphs.__call__, as before)
+STEADY_PLANS = True
 _REPLAYS = operator.attrgetter("replays")
 _CAPTURES = operator.attrgetter("captures")
 _CAPTURE_S = operator.attrgetter("capture_s")
@@ -213,6 +217,7 @@ class _PieceCall:
         self.stable: list[Any] = []
         self.ptrs: list[int] = []
         self.tensors = False  # every stable input is a tensor (ptrs by one map)
+        self.plan: SteadyReplay | None = None  # its graphs' steady replay (graphs.steady)
 
     def merge(self, args: Sequence[Any]) -> list[Any]:
         it, st = iter(args), iter(self.stable)
@@ -299,12 +304,25 @@ class StaticPiece(nn.Module):
             self.ensure(args, state)
         if state.capturer is None:
             return self.run(list(args))
-        if local.steady and (last := state.last.get(id(self))) is not None:
+        dynamic = self._take_dynamic(args)
+        steady = local.steady and (last := state.last.get(id(self))) is not None
+        if steady:
             graphs, call = last  # the weights of the last complete run: checked by begin()
+            plan = call.plan
+            if plan is not None and (out := plan(dynamic)) is not None:
+                return self._restore_fast(out)  # the steady plan's own checks held
         else:
             graphs, call = self._checked_graphs(args, state)
-        out = graphs(self._take_dynamic(args), {}, call.run_compiled)
-        if self._single:  # restore(), inline: this runs every replay
+        replays = graphs.replays
+        out = graphs(dynamic, {}, call.run_compiled)
+        if steady and STEADY_PLANS and graphs.replays > replays and (
+                call.plan is None or call.plan.epoch != graphs.epoch):
+            call.plan = steady_plan(graphs, dynamic)  # a steady replay: plan the next ones
+        return self._restore_fast(out)
+
+    def _restore_fast(self, out: Sequence[Any]) -> Any:
+        """restore(), for a replay's list (one frame: this runs every replay)."""
+        if self._single:
             return out[0]
         return tuple(out) if self._reorder is None else self._reorder(out)
 

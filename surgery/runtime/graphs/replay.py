@@ -123,6 +123,8 @@ class RegionGraphs:
         self.replays = 0
         self.captures = 0
         self.adopt = True  # read other regions' owned outputs in place (see _capture)
+        self.epoch = self.plans = 0  # moves at each capture or forget; plans made (graphs.steady)
+        self.readopted: set[tuple[Any, ...]] = set()  # forgotten once to read inputs in place
         self.moved = 0  # replays refused because an adopted input was somewhere else
         self.state_moves = 0  # graphs dropped because the module's tensors moved
         self.output_sets = 0  # the most output sets any signature needed
@@ -188,7 +190,7 @@ class RegionGraphs:
             return run_compiled(args, kwargs)[0]
         for i, ptr in cap.adopted:
             if tensors[i].data_ptr() != ptr:  # not the output it was captured reading: recapture
-                self._forget(sig)
+                self.forget(sig)
                 self.moved += 1
                 if self.moved == 3:
                     self.adopt = False
@@ -210,7 +212,7 @@ class RegionGraphs:
                       "one output set; set clone_outputs = true on the region to start that way")
             # It hands out clones now, so one set serves it: forget the ring (freed as the
             # caller lets go); the next call captures one set again.
-            self._forget(sig)
+            self.forget(sig)
             return run_compiled(args, kwargs)[0]
         grow = outs is None and len(cap.sets) < (MAX_OUTPUT_SETS if not self.clone else 0 if
                                                  self.over_cap else outputs.SHARED_SET_GROWTH)
@@ -250,13 +252,14 @@ class RegionGraphs:
         if self.graphs:
             self.notes.append(f"graphs dropped: {why}")
         for sig in list(self.graphs):
-            self._forget(sig)
+            self.forget(sig)
         self.seen.clear()
         self.watch = None
 
-    def _forget(self, sig: tuple[Any, ...]) -> None:
+    def forget(self, sig: tuple[Any, ...]) -> None:
         """Forget one signature's graphs; it is one sighting from being captured again."""
         cap = self.graphs.pop(sig)
+        self.epoch += 1  # its steady plans (graphs.steady) are stale
         for outs in cap.sets:
             outs.set.writers -= 1
             if outs.set.writers == 0:  # no graph writes it any more: not a stable address
@@ -390,6 +393,7 @@ class RegionGraphs:
             owner.baseline[j] += 1
         self.watch = watch
         self.graphs[sig] = cap
+        self.epoch += 1
         self.output_sets = max(self.output_sets, 1)
         if writes:  # the warm-up run saw the inputs after this call had written them
             return None
