@@ -61,6 +61,10 @@ Arms (each in a fresh process with a fresh inductor cache, all in one call):
                   surgery.runtime.piece_replay.WEIGHTS_ONCE_A_RUN off (each piece checks its
                   weights every call, as before x19g): ``per_piece_ms_per_token`` and
                   ``stack_over_per_piece``, each round's ratio (ask for it with --arms)
+  gpt2_ab_plan    gpt2_ab with the same stack taking a third turn with
+                  surgery.runtime.piece_replay.STEADY_PLANS off (every replay through
+                  RegionGraphs.__call__, as before graphs.steady): ``no_plan_ms_per_token`` and
+                  ``stack_over_no_plan``, each round's ratio (ask for it with --arms)
   gpt2_ab         eager and gpt2_stack in ONE process, taking turns (not in the default --all;
                   ask for it with --arms): GPT-2 is built once, an untouched deep copy kept as
                   the eager model, the stack plan applied to the other; both warmed at full
@@ -146,7 +150,7 @@ ARMS = ("sdpa_eager", "sdpa_names", "sdpa_piecewise", "sdpa_piecewise_global",
         "gpt2_eager", "gpt2_names", "gpt2_piecewise",
         "gpt2_stack",
         "gpt2_stack_before", "gpt2_stack_fused", "gpt2_ab", "gpt2_ab_fused", "gpt2_ab_guards",
-        "gpt2_ab_once", "gpt2_ab_masks")
+        "gpt2_ab_once", "gpt2_ab_masks", "gpt2_ab_plan")
 DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "sdpa_piecewise_unshared",
                                                   "sdpa_piecewise_noselect",
@@ -156,7 +160,7 @@ DEFAULT_ARMS = tuple(a for a in ARMS if a not in ("sdpa_piecewise_before",
                                                   "gpt2_stack_before", "gpt2_stack_fused",
                                                   "gpt2_ab_fused", "gpt2_ab_guards",
                                                   "gpt2_ab_once", "gpt2_names",
-                                                  "gpt2_ab_masks"))
+                                                  "gpt2_ab_masks", "gpt2_ab_plan"))
 # Where the camera trunk's blocks are: sdpa_piecewise_global plans them as the names plan does.
 TRUNK = "camera_head.trunk."
 # Frames before timing. The camera trunk keeps a 16-frame window: its full window compiles when
@@ -625,6 +629,8 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
             piece_masks.SHARE_MASKS = piece_masks.NOT_EXPORTING = True
     if arm == "gpt2_ab_once":  # the same stack, each piece checking its weights every call
         models["per_piece"], first["per_piece"] = stack, first["stack"]
+    if arm == "gpt2_ab_plan":  # the same stack, every replay through RegionGraphs.__call__
+        models["no_plan"], first["no_plan"] = stack, first["stack"]
     times: dict[str, list[float]] = {k: [] for k in models}
     peaks = dict.fromkeys(models, 0.0)
     identical = all(bool(torch.equal(first["eager"], first[k])) for k in models)
@@ -640,8 +646,9 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             piece_replay.WEIGHTS_ONCE_A_RUN = k != "per_piece"
+            piece_replay.STEADY_PLANS = k != "no_plan"
             got[k], ms, _ = time_call(lambda m=models[k]: _generate(m, ids), cuda=cuda)
-            piece_replay.WEIGHTS_ONCE_A_RUN = True
+            piece_replay.WEIGHTS_ONCE_A_RUN = piece_replay.STEADY_PLANS = True
             times[k].append(ms / NEW_TOKENS)
             peaks[k] = max(peaks[k], _peak_gib(base, cuda))
         identical = identical and bool(torch.equal(got["eager"], first["eager"])) \
@@ -674,6 +681,11 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
                                             zip(times["stack"], times["before"], strict=True)],
                    before_ops_between_per_call=twin.get("ops_between_per_call"),
                    before_recompiles=twin.get("piecewise_recompiles"))
+    if "no_plan" in models:
+        out.update(stack_over_no_plan=round(out["stack_ms_per_token"]
+                                            / out["no_plan_ms_per_token"], 3),
+                   round_stack_over_no_plan=[round(a / b, 3) for a, b in
+                                             zip(times["stack"], times["no_plan"], strict=True)])
     if "full" in models:
         out.update(watched_over_full=round(out["stack_ms_per_token"]
                                            / out["full_ms_per_token"], 3),
@@ -771,6 +783,11 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
                         f"**{r['stack_over_before']:.3f}** (rounds "
                         f"{r['round_stack_over_before']}); eager / before "
                         f"{r['eager_ms_per_token'] / r['before_ms_per_token']:.2f}x")
+        if "no_plan_ms_per_token" in r:
+            rows.append(f"\n{r['arm']}: the stack without steady plans "
+                        f"{r['no_plan_ms_per_token']:.3f} ms a token; plans / no plans "
+                        f"**{r['stack_over_no_plan']:.3f}** (rounds "
+                        f"{r['round_stack_over_no_plan']})")
         if "full_ms_per_token" in r:
             rows.append(
                 f"\n{r['arm']}: the stack with full guards {r['full_ms_per_token']:.3f} / "
