@@ -28,7 +28,7 @@ from surgery.formats.manifest import (
     load_manifest,
     save_manifest,
 )
-from surgery.runtime import bundle, cache, kernel_ids, precompiled
+from surgery.runtime import bundle, bundle_parts, cache, kernel_ids, precompiled
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.report import CacheIgnoredWarning
 from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
@@ -301,3 +301,17 @@ def test_output_code_identity_ignores_only_the_aot_id_line() -> None:
     assert kernel_ids.code_identity(src) == kernel_ids.code_identity(
         src.replace("0_inference", "1_inference"))
     assert kernel_ids.code_identity(src) != kernel_ids.code_identity(src.replace("1", "2"))
+
+
+def test_golden_format_3_with_a_kernel_record_reads_back() -> None:
+    """tests/golden/format3-kernels.surgery.cache: the format3-sources golden with the optional
+    KERNELS_FIELD in its precompiled record, signed with bundle_support.KEY; its artifact part
+    reads as before."""
+    golden = Path(__file__).parent / "golden" / "format3-kernels.surgery.cache"
+    meta, blob = bundle.read_bundle(str(golden), key=KEY)
+    assert blob is not None
+    _, section = bundle_parts.split_blob(meta, blob)
+    assert list(bundle_parts.parse_precompiled(meta, section)) == ["g"]
+    rec = kernel_ids.parse_record(meta)
+    assert rec is not None and rec.code == frozenset({"ab" * 32})
+    assert rec.triton == {"cd" * 26: ("triton_red_fused_0", kernel_ids.config_text(B))}
