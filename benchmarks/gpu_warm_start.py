@@ -24,6 +24,23 @@ TRITON_CACHE_DIR, under `torch.inference_mode()`:
          groups install C++ runners (surgery.runtime.aoti_bundle) and torch's Python loader is
          never imported; its build time (one C++ build per group and signature) is reported
 
+  cold2  (``--cold2``) a second cold process, its own empty caches, that saves nothing: is a
+         cold start deterministic? (its output, region outputs and kernels against cold's)
+  warm-mega  (``--mega``) warm from the same bundle with its precompiled part unused (every
+         group compiles with dynamo, hitting the Mega-Cache part): the dynamo path's kernels
+  turns  (``--turns N``) one process holding a cold-compiled model and a model warm-loaded
+         from the bundle, N frames of each in alternating turns (benchmarks/_warm_turns.py):
+         steady ms warm/cold with the host's drift cancelled, outputs compared bit for bit,
+         peak memory per arm, and the counts that prove the warm model ran the bundle's code
+
+Same kernels (benchmarks/_same_kernels.py, surgery.runtime.kernel_ids): every process
+digests each region call's output during the reference run and takes a census of its compiled
+code (output-code identities; Triton kernels, the config each launched, torch's autotune-cache
+state: "hit" = the pick came from the cache, "miss" = benchmarked here). Each process other
+than cold compares both with cold's: the first region call whose output differs, and the
+kernels whose configs differ. Warm processes also print ``check_kernels`` against the record
+in the bundle (and how many kernels the warm start pinned to the cold pick).
+
 Every warm process also counts the modules imported from the call of apply_manifest to the end
 of the first replayed frame, and lists the heavy ones among them (inductor's graph, lowering,
 select_algorithm, codecache; Triton).
@@ -55,6 +72,7 @@ imports dynamo), building the model and filling its stream.
     python benchmarks/gpu_warm_start.py --models sdpa --baseline   # + warm without warm_loader
     python benchmarks/gpu_warm_start.py --models hf_bert --aoti    # + warm from AOTI runners
     python benchmarks/gpu_warm_start.py --models sdpa --profile-apply  # + whole apply profiled
+    python benchmarks/gpu_warm_start.py --models flux --cold2 --mega --turns 30  # warm == cold?
 
 Prints a markdown table per model, then one JSON line.
 """
@@ -81,10 +99,13 @@ sys.path.insert(0, HERE)
 STARTED = time.perf_counter()
 import _bytecode  # noqa: E402
 import _hashes  # noqa: E402
+import _same_kernels  # noqa: E402
 from _arms import child_result, latency, time_call  # noqa: E402
+from _warm_turns import run_turns  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
-PHASES = ("cold", "warm", "warm-host", "warm-base", "warm-aoti")
+PHASES = ("cold", "cold2", "warm", "warm-host", "warm-base", "warm-aoti", "warm-mega", "turns")
+_COLD = ("cold", "cold2")  # processes that compile without a bundle
 # Modules a start from runners should not import (inductor's compiler and loader, Triton).
 HEAVY = ("torch._inductor.graph", "torch._inductor.lowering", "torch._inductor.select_algorithm",
          "torch._inductor.codecache", "triton")
@@ -318,6 +339,12 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
 
     if phase == "warm-base":
         _without_warm_loader()
+    if phase == "turns":
+        return run_turns(name=name, manifest=manifest, bundle=bundle, device=device,
+                         rounds=int(os.environ.get("WARM_TURNS", "20")), build=bench_model,
+                         frames_for=_frames_for, tensors=_tensors, ready=_ready)
+    if phase == "warm-mega":  # the bundle's precompiled part left unused: dynamo + Mega-Cache
+        pre.Loaded.take = lambda self, *a, **k: {}  # type: ignore[method-assign]
     import_s = time.perf_counter() - STARTED
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -367,7 +394,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         if whole is not None:
             whole.enable()
         handle = apply_manifest(model, manifest, overrides=overrides,
-                                cache=None if phase == "cold" else
+                                cache=None if phase in _COLD else
                                 aoti_path(bundle) if phase == "warm-aoti" else True)
         if whole is not None:
             whole.disable()
@@ -403,7 +430,10 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
             _, ms, _ = time_call(lambda: (mark_step(), frame()), cuda=cuda)
             steady.append(ms)
         mark_step()
-        ref = [t.detach().float().cpu() for t in _tensors(reference())]
+        digests = _same_kernels.RegionDigests(model, records, _tensors)
+        with digests.collect():
+            ref = [t.detach().float().cpu() for t in _tensors(reference())]
+        kernels = _same_kernels.census_summary()
     pre_loaded = handle.precompiled
     setup = pre_loaded.setup if pre_loaded else None
     loaded_s = sum(pre_loaded.seconds.values()) + setup.seconds if pre_loaded and setup else 0.0
@@ -444,6 +474,22 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         if cuda else None, "regions": handle.report.counts(), "import_s": round(import_s, 2),
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__}
+    out["census"] = {k: kernels[k] for k in ("n_code", "n_triton", "autotune_cache_states")}
+    out["regions_digested"] = len(digests.calls)
+    out["regions_not_digested"] = digests.skipped[:4]
+    if phase != "cold" and handle.precompiled is not None:
+        from surgery.runtime.kernel_ids import check_kernels
+
+        check = check_kernels(handle)
+        out["kernels_check"], out["kernels_line"] = check.as_dict(), check.line()
+    if phase == "cold":
+        with open(ref_path + ".kernels.json", "w") as f:
+            json.dump({"census": kernels, "digests": digests.calls}, f)
+    elif os.path.exists(ref_path + ".kernels.json"):
+        with open(ref_path + ".kernels.json") as f:
+            cold_k = json.load(f)
+        out["regions_vs_cold"] = _same_kernels.first_difference(cold_k["digests"], digests.calls)
+        out["census_vs_cold"] = _same_kernels.compare_census(cold_k["census"], kernels)
     if phase == "cold":
         torch.save(ref, ref_path)
         t = time.perf_counter()
@@ -510,7 +556,8 @@ def prepare_bytecode(mode: str, models: list[str], device: str, work: str,
 
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
               keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False,
-              profile_apply: bool = False, bytecode: dict[str, Any] | None = None
+              profile_apply: bool = False, bytecode: dict[str, Any] | None = None,
+              cold2: bool = False, mega: bool = False, turns: int = 0
               ) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
@@ -529,7 +576,10 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     ref = os.path.join(work, "cold_output.pt")
     results: list[dict[str, Any]] = []
     bytecode = bytecode or {"mode": "host", "prefix": None}
-    phases = [p for p in PHASES if p in ("cold", "warm") or (p == "warm-base" and baseline)
+    env["WARM_TURNS"] = str(turns)
+    extra = {"cold2": cold2, "warm-mega": mega, "turns": turns > 0}
+    phases = [p for p in PHASES if p in ("cold", "warm") or extra.get(p)
+              or (p == "warm-base" and baseline)
               or (p == "warm-aoti" and aoti) or (p == "warm-host" and
                                                   bytecode["mode"] != "host")]
     for phase in phases:
@@ -544,7 +594,8 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
                             manifest, "--bundle", bundle, "--device", device, "--ref", ref,
                             *(["--profile"] if profile else []), *(["--aoti"] if aoti else []),
                             *(["--profile-apply"] if profile_apply else [])],
-                           env=penv, timeout=timeout, ident={"model": name, "phase": phase})
+                           env=penv, timeout=timeout * (2 if phase == "turns" else 1),
+                           ident={"model": name, "phase": phase})
         results.append(res)
         if "error" in res:
             break
@@ -555,7 +606,60 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     return results
 
 
+def turns_table(results: list[dict[str, Any]]) -> list[str]:
+    """The in-turns rows (benchmarks/_warm_turns.py)."""
+    rows = []
+    for r in results:
+        if r.get("phase") != "turns":
+            continue
+        if "error" in r:
+            rows.append(f"{r['model']} turns: failed: {r['error'][:300]}")
+            continue
+        rows += [
+            f"{r['model']} in turns ({r['rounds']} rounds, one process): cold {r['cold_median_ms']}"
+            f" ms, warm {r['warm_median_ms']} ms, warm/cold median {r['warm_over_cold_median']} "
+            f"(range {r['warm_over_cold_range']}); peak GiB cold {r['cold_peak_gib']} / warm "
+            f"{r['warm_peak_gib']} (process {r['process_peak_gib']}); outputs identical "
+            f"{r['identical_rounds']}/{r['rounds']} (max abs {r['max_abs_diff']:.2e})",
+            f"  the warm model ran the bundle's code: {r['warm_ran_the_bundle']} (precompiled "
+            f"installed {r['warm_precompiled_installed']}, compiles {r['warm_compiles']}, "
+            f"precompiled runs in the turns {r['warm_precompiled_runs_in_turns']}, dynamo frames "
+            f"from its apply on {r['dynamo_frames_from_warm_apply']}, artifact guards failed "
+            f"{r.get('warm_guards_failed')}); frames to replay cold "
+            f"{r['cold_frames_to_replay']}, warm {r['warm_frames_to_replay']}",
+            f"  {r['kernels_check']}"]
+        if not r["warm_ran_the_bundle"]:
+            rows.append("  WARNING: THE WARM MODEL DID NOT (ONLY) RUN THE BUNDLE'S CODE: this is "
+                        "not a cold-against-warm figure")
+    return rows
+
+
+def kernel_lines(r: dict[str, Any]) -> list[str]:
+    """Same kernels: the census, and against cold (benchmarks/_same_kernels.py)."""
+    c = r.get("census") or {}
+    rows = [f"  kernels: {c.get('n_code')} output-code modules, {c.get('n_triton')} Triton "
+            f"kernels (autotune cache: {c.get('autotune_cache_states')}); region calls digested "
+            f"{r.get('regions_digested')}" + (f" (not: {r['regions_not_digested']})"
+                                              if r.get("regions_not_digested") else "")]
+    if (reg := r.get("regions_vs_cold")) is not None:
+        where = (f"first differing call {reg['first_call']} at {reg['first_path']}"
+                 if reg.get("differing_calls") else "every region call identical")
+        rows.append(f"  regions vs cold: {reg.get('compared')} calls compared, "
+                    f"{reg.get('differing_calls', 0)} differ; {where}" + (
+                        f"; {reg['note']}" if reg.get("note") else ""))
+    if (cen := r.get("census_vs_cold")) is not None:
+        rows.append(f"  kernels vs cold: same {cen['same']}; code only cold {cen['code_only_cold']}"
+                    f" / only here {cen['code_only_now']}; Triton only cold "
+                    f"{cen['triton_only_cold']} / only here {cen['triton_only_now']}; configs "
+                    f"differ {cen['n_configs_differ']}: {cen['configs_differ'][:4]}")
+    if r.get("kernels_line"):
+        rows.append(f"  {r['kernels_line']}")
+    return rows
+
+
 def table(results: list[dict[str, Any]]) -> str:
+    turns = turns_table(results)
+    results = [r for r in results if r.get("phase") != "turns"]
     rows = ["| model | process | apply -> first replayed frame (s) | frames | apply (s) "
             "| of which bundle checks + Mega-Cache (s) | precompiled load (s) | dynamo tracing (s) "
             "| backend (s) | graph capture (s) | rest: running the frames (s) "
@@ -609,8 +713,9 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{g['group']} x{g['paths']} (sigs {g['signatures']}, compile {g['compile_s']} s, "
             f"precompiled {g['precompiled']} load {g['load_s']} s, captures {g['captures']} "
             f"in {g['capture_s']} s)" for g in r["groups"]))
+        rows += kernel_lines(r)
         rows += _load_lines(r)
-    return "\n".join(rows)
+    return "\n".join(rows + (["", *turns] if turns else []))
 
 
 def _load_lines(r: dict[str, Any]) -> list[str]:
@@ -682,6 +787,12 @@ def main() -> None:
     ap.add_argument("--pyc-dir", default=None,
                     help="with --pyc: the prefix folder to compile into and keep (a later run "
                          "with the same folder reuses it); default: a temporary one")
+    ap.add_argument("--cold2", action="store_true",
+                    help="add a second cold process: is a cold start deterministic?")
+    ap.add_argument("--mega", action="store_true",
+                    help="add a warm process with the bundle's precompiled part unused")
+    ap.add_argument("--turns", type=int, default=0, metavar="N",
+                    help="add one process with a cold and a warm model, N frames each in turns")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -705,7 +816,8 @@ def main() -> None:
         results += run_model(name, size=args.size, device=args.device, dtype=dtype,
                              timeout=args.timeout, keep=args.keep, profile=args.profile,
                              baseline=args.baseline, aoti=args.aoti,
-                             profile_apply=args.profile_apply, bytecode=bytecode)
+                             profile_apply=args.profile_apply, bytecode=bytecode,
+                             cold2=args.cold2, mega=args.mega, turns=args.turns)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     print(f"## warm start ({args.size}, {dtype}, {args.device}; bytecode {args.pyc})\n")

@@ -1,0 +1,147 @@
+"""Steady speed cold against warm, in turns, in one process (gpu_warm_start.py ``--turns N``).
+
+Two processes differ by up to 40% in steady speed on the H200 host (the seventh session), so a
+cold process's ms/frame against a warm one's says nothing about the kernels. Here one process
+holds both:
+
+- ``cold``: the model compiled by apply_manifest without a bundle (dynamo and inductor here,
+  this process's own empty cache folders), frames until its first replayed frame;
+- ``warm``: a second model, built the same way (same seed, same weights), applied with the cold
+  process's bundle (``cache=bundle``): its groups install the bundle's precompiled callables.
+  That it runs them, and not the dynamo cache the cold model just filled, is counted, not
+  assumed: its paths' ``compiles`` stay 0, their ``precompiled_runs`` grow by the turns' calls,
+  and dynamo traces no frame from the warm model's apply to the end of the turns
+  (``bytecode_tracing`` entries).
+
+Then N rounds, each one frame of each model, the order alternating (cold first in even rounds),
+timed with CUDA events around ``mark_step(); frame()``; both models get the same inputs (the
+sdpa model's streams are reset and refilled with the same seeds first), and each pair of
+outputs is compared bit for bit. The host's drift lands on both arms of a round alike, so the
+ratio warm/cold per round, and its median, is the figure. Peak memory per arm: the CUDA peak
+during that arm's frames (both models resident, so each includes the other's weights and
+graphs); and the process's peak.
+
+What it does not show: whether the warm *process* runs the cold process's kernels (in this
+process the warm model's kernels are loaded next to the cold model's); that is the census and
+region comparison of the separate warm process (benchmarks/_same_kernels.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from _arms import time_call
+
+
+def _until_replayed(frame: Callable[[], Any], records: list[Any], ready: Callable[..., bool],
+                    cuda: bool, sync: Callable[[], None], mark_step: Callable[[], None],
+                    limit: int = 8) -> int:
+    for i in range(1, limit + 1):
+        seen = {r.path: (r.cuda_graph_replays, r.compiles) for r in records}
+        mark_step()
+        frame()
+        sync()
+        if ready(records, seen, cuda):
+            return i
+    return -1
+
+
+def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int,
+              build: Callable[[], Any], frames_for: Callable[..., Any],
+              tensors: Callable[[Any], list[Any]], ready: Callable[..., bool]) -> dict[str, Any]:
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    from surgery.runtime.apply import apply_manifest, mark_step
+    from surgery.runtime.kernel_ids import check_kernels
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    overrides = {"on_cpu": "compile"} if not cuda else {}
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return build().eval()
+
+    def fill(m: Any) -> Callable[[], Any]:
+        """A fresh frame source for ``m`` (seeds from the start); sdpa's stream refilled."""
+        frame, _ = frames_for(name, m, device)
+        if name == "sdpa":
+            m.reset_stream()
+            for _ in range(m.config.window + 1):
+                frame()
+        return frame
+
+    def traced() -> int:
+        return len(metrics.get("bytecode_tracing", []))
+
+    out: dict[str, Any] = {"model": name, "phase": "turns", "rounds": rounds}
+    # Built outside inference mode, as in the cold and warm processes: weights made under it
+    # are inference tensors, which the artifacts' guards refuse (every call went to dynamo).
+    cold, warm = model(), model()
+    with torch.inference_mode():
+        frame_c = fill(cold)
+        hc = apply_manifest(cold, manifest, overrides=overrides)
+        out["cold_frames_to_replay"] = _until_replayed(frame_c, hc.report.records, ready, cuda,
+                                                       sync, mark_step)
+        frame_w = fill(warm)
+        traced0 = traced()
+        hw = apply_manifest(warm, manifest, overrides=overrides, cache=bundle)
+        out["warm_frames_to_replay"] = _until_replayed(frame_w, hw.report.records, ready, cuda,
+                                                       sync, mark_step)
+        runs0 = sum(r.precompiled_runs for r in hw.report.records)
+        frame_c, frame_w = fill(cold), fill(warm)  # the same inputs from here on, in lockstep
+        ms: dict[str, list[float]] = {"cold": [], "warm": []}
+        peak: dict[str, float] = {"cold": 0.0, "warm": 0.0}
+        identical, max_diff = 0, 0.0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(rounds):
+            arms = [("cold", frame_c), ("warm", frame_w)]
+            got: dict[str, list[Any]] = {}
+            for arm, frame in (arms if i % 2 == 0 else arms[::-1]):
+                if cuda:
+                    sync()
+                    torch.cuda.reset_peak_memory_stats()
+                y, t, _ = time_call(lambda f=frame: (mark_step(), f())[1], cuda=cuda)
+                got[arm] = [x.detach().clone() for x in tensors(y)]
+                ms[arm].append(t)
+                if cuda:
+                    peak[arm] = max(peak[arm], torch.cuda.max_memory_allocated() / 2**30)
+            same = all(torch.equal(a, b) for a, b in zip(got["cold"], got["warm"], strict=True))
+            identical += same
+            max_diff = max([max_diff, *(float((a.float() - b.float()).abs().max())
+                                        for a, b in zip(got["cold"], got["warm"], strict=True))])
+    ratios = [w / c for c, w in zip(ms["cold"], ms["warm"], strict=True)]
+    records = hw.report.records
+    out.update({
+        "cold_median_ms": round(statistics.median(ms["cold"]), 3),
+        "warm_median_ms": round(statistics.median(ms["warm"]), 3),
+        "warm_over_cold_median": round(statistics.median(ratios), 4),
+        "warm_over_cold_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "cold_peak_gib": round(peak["cold"], 3) if cuda else None,
+        "warm_peak_gib": round(peak["warm"], 3) if cuda else None,
+        "process_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        if cuda else None,
+        "identical_rounds": identical, "max_abs_diff": max_diff,
+        # the proof that the warm model ran the bundle's callables, not dynamo's cache
+        "warm_precompiled_installed": hw.report.cache.precompiled if hw.report.cache else 0,
+        "warm_compiles": sum(r.compiles for r in records),
+        "warm_precompiled_runs_in_turns": sum(r.precompiled_runs for r in records) - runs0,
+        "warm_compiled_paths": sum(r.status == "compiled" for r in records),
+        "dynamo_frames_from_warm_apply": traced() - traced0,
+        # calls whose artifact's guards failed (they went to dynamo): the first thing to read
+        # when the warm model did not run the bundle's code
+        "warm_guards_failed": sum(len(getattr(g, "_guards_failed", ())) for g in hw.groups),
+        "kernels_check": check_kernels(hw).line(),
+        "bundle_reason": hw.report.cache.reason if hw.report.cache else ""})
+    out["warm_ran_the_bundle"] = (out["warm_precompiled_installed"] > 0 and
+                                  out["warm_compiles"] == 0 and
+                                  out["dynamo_frames_from_warm_apply"] == 0 and
+                                  out["warm_precompiled_runs_in_turns"] >= rounds)
+    hc.restore()
+    hw.restore()
+    return out

@@ -1,0 +1,81 @@
+"""benchmarks/_same_kernels.py: the region digests and census comparisons gpu_warm_start.py
+prints to say where a warm (or second cold) process parts from the cold one."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import _same_kernels
+
+
+@dataclass
+class _Rec:
+    path: str
+    callable: str = "forward"
+    status: str = "compiled"
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _digest(net: nn.Module, x: torch.Tensor, records: list[_Rec]) -> _same_kernels.RegionDigests:
+    d = _same_kernels.RegionDigests(net, records, lambda out: [out])
+    with d.collect():
+        net(x)
+    return d
+
+
+def test_checksum_sees_one_byte_and_a_swap() -> None:
+    t = torch.arange(8, dtype=torch.bfloat16)
+    flipped = t.clone()
+    flipped.view(torch.int16)[3] += 1  # one step of bf16, as Flux's warm output differed
+    swapped = t.clone()[[1, 0, 2, 3, 4, 5, 6, 7]]
+    base = _same_kernels.checksum(t)
+    assert base == _same_kernels.checksum(t.clone())
+    assert base != _same_kernels.checksum(flipped)
+    assert base[0] == _same_kernels.checksum(swapped)[0]  # the plain sum cannot tell
+    assert base != _same_kernels.checksum(swapped)  # the weighted one does
+
+
+def test_the_first_differing_region_call_is_named() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    x = torch.randn(2, 4)
+    records = [_Rec("blocks.0"), _Rec("blocks.1"), _Rec("blocks.1", callable="helper"),
+               _Rec("blocks.0", status="eager")]
+    cold = _digest(net, x, records)
+    assert [p for p, _ in cold.calls] == ["blocks.0", "blocks.1"]
+    assert cold.skipped == ["blocks.1.helper"]  # a method region has no hook point: said
+    same = _same_kernels.first_difference(cold.calls, _digest(net, x, records).calls)
+    assert same["compared"] == 2 and same["differing_calls"] == 0
+    with torch.no_grad():
+        net.blocks[1].bias[0] += 1e-3  # the second region computes differently
+    other = _same_kernels.first_difference(cold.calls, _digest(net, x, records).calls)
+    assert other["differing_calls"] == 1 and other["first_path"] == "blocks.1"
+    assert _same_kernels.first_difference([], cold.calls)["compared"] == 0  # never "same"
+
+
+def test_census_comparison_names_the_kernel_whose_config_differs() -> None:
+    cold = {"code": ["a"], "triton": {"h1": {"name": "k1", "config": "A"},
+                                      "h2": {"name": "k2", "config": "A"}}}
+    warm = {"code": ["a"], "triton": {"h1": {"name": "k1", "config": "A"},
+                                      "h2": {"name": "k2", "config": "B"}}}
+    got = _same_kernels.compare_census(cold, warm)
+    assert got["configs_differ"] == [["k2", "A", "B"]] and not got["same"]
+    assert _same_kernels.compare_census(cold, cold)["same"]
+    assert not _same_kernels.compare_census(cold, {**cold, "code": ["b"]})["same"]
