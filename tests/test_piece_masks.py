@@ -238,10 +238,16 @@ def test_cuda_stack_shares_its_mask_in_fp32_and_keeps_boolean_for_half() -> None
                 assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=add),
                                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     mask = _masks("cuda")[0]
-    assert torch.backends.cuda.cudnn_sdp_enabled()
-    assert additive_mask(mask, torch.bfloat16) is mask
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert additive_mask(mask, torch.float32) is mask
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert additive_mask(mask, torch.bfloat16) is mask
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert additive_mask(mask, torch.float32) is mask
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN cannot be chosen: shared again
+        assert additive_mask(mask, torch.bfloat16).dtype == torch.bfloat16
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
     pad = torch.ones(2, 8, dtype=torch.long, device="cuda")
     pad[1, :3] = 0
