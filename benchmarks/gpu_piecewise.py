@@ -242,6 +242,12 @@ def _fused(manifest: Any) -> None:
         raise RuntimeError("the plan has no light-piece region to build with inductor")
 
 
+def _shared(handle: Any) -> int:
+    """SDPAs of the handle's piecewise graphs that read one shared additive mask (piece_masks)."""
+    return sum(g.masks_shared for s in handle._slots if hasattr(s, "group")
+               for g in s.group.graphs)
+
+
 def _piecewise_counts(handle: Any, out: dict[str, Any]) -> None:
     recs = [r for r in handle.report if r.kind == "piecewise"]
     out.update(piecewise_paths=len(recs),
@@ -680,7 +686,9 @@ def run_gpt2_ab(rounds: int, pin: bool, arm: str = "gpt2_ab") -> dict[str, Any]:
                    round_stack_over_before=[round(a / b, 3) for a, b in
                                             zip(times["stack"], times["before"], strict=True)],
                    before_ops_between_per_call=twin.get("ops_between_per_call"),
-                   before_recompiles=twin.get("piecewise_recompiles"))
+                   before_recompiles=twin.get("piecewise_recompiles"),
+                   # SDPAs reading a shared additive mask (0 for both: no mask is left)
+                   masks_shared=[_shared(handle), _shared(before)])
     if "no_plan" in models:
         out.update(stack_over_no_plan=round(out["stack_ms_per_token"]
                                             / out["no_plan_ms_per_token"], 3),
@@ -779,6 +787,7 @@ def ab_table(results: list[dict[str, Any]]) -> list[str]:
             rows.append(f"\n{r['arm']}: the stack with piece_masks off "
                         f"{r['before_ms_per_token']:.3f} / {r['before_p90_ms_per_token']:.3f} "
                         f"ms a token ({r['before_ops_between_per_call']} ops between, "
+                        f"SDPAs on a shared mask stack / before {r['masks_shared']}, "
                         f"{r['before_recompiles']} recompiles); stack / before "
                         f"**{r['stack_over_before']:.3f}** (rounds "
                         f"{r['round_stack_over_before']}); eager / before "
