@@ -14,8 +14,11 @@ group's compiled function runs (``compiling_not_exporting``), that table entry r
 real flag). Never inside a real export (``torch.compiler.is_exporting()`` called outside a
 trace reads the flag torch.export sets). Nothing else in the table changes, the entry is put
 back after each call (nested calls restore what they found), and on torch 2.14 and later, or
-where the table is not found, nothing is touched. One limit: the table is the process's, so
-a ``torch.export`` traced in another thread *while* a piecewise call runs would read False.
+where the table is not found, nothing is touched. A transformers whose skip declines whenever
+it traces (5.17, the H200's; the skip under compile came with transformers#48975) builds the
+mask anyway: the shared conversion below is what applies there. One limit: the table is the
+process's, so a ``torch.export`` traced in another thread *while* a piecewise call runs would
+read False.
 
 **One additive mask, not one per attention.** Where a boolean mask remains (a padding mask:
 ``generate()`` of a left-padded batch; any model that builds its own), SDPA converts it to an
