@@ -33,16 +33,20 @@ written for a few C-level calls, not Python loops, while every check a replay ne
   COMPLETE run; when they are equal, every piece replays from the entry it validated in that
   run (same objects, same addresses: what its own key lookup and pointer check would find), and
   skips both. Any difference, a run that raised, or the path's graphs dropped: every piece takes
-  the full per-piece checks again. A token of the stack did ~13 key builds, dict lookups and
-  pointer lists of ~16 weights each; now one pass. The marks and entries are keyed by the ids
-  of split graphs and pieces, which their group keeps alive (``PiecewiseGroup.graphs``) as long
-  as the path: an id is never reused while a mark or an entry names it.
+  the full per-piece checks again. The marks hold the last complete run's weights themselves
+  (references, until the next complete run), compared by ``is``: an id per weight built 148
+  ints a token (~50 us in the real decode on a 2-core CPU, against ~16 by ``is``). A token of
+  the stack did ~13 key builds, dict lookups and pointer lists of ~16 weights each; now one
+  pass. The marks and entries are keyed by the ids of split graphs and pieces, which their
+  group keeps alive (``PiecewiseGroup.graphs``) as long as the path: an id is never reused
+  while a mark or an entry names it.
 - **Frames.** The split graph calls a piece directly (``StaticPiece.__call__``, not nn.Module's
   call path: nothing can hook a piece), the running path is looked up once per graph run
   (``PiecewiseGraph.local``, per thread), the list a compiled piece returns is rebuilt by
-  ``list`` (not pytree), and the outputs are reordered by ``itemgetter``: six frames of surgery
-  a replay (tests/test_piece_replay.py counts them), against about twenty before and a pytree
-  rebuild.
+  ``list`` (not pytree), and the outputs are reordered by ``itemgetter``. In a steady run a
+  piece replays by its plan (surgery.runtime.graphs.steady: the same checks in a few C calls):
+  three frames of surgery a replay (tests/test_piece_replay.py counts them), against six without
+  the plan, about twenty before these cuts, and a pytree rebuild.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ class PathPieces:
         self.disabled = ""  # as RegionGraphs: each piece's own graphs say why they stopped
         # per split graph (its id): the ids and data pointers of its weight inputs in this
         # path's last complete run; per piece (its id): the entry it validated then
-        self.marks: dict[int, tuple[list[int], list[int]]] = {}
+        self.marks: dict[int, tuple[tuple[Any, ...], list[int]]] = {}
         self.last: dict[int, tuple[RegionGraphs, _PieceCall]] = {}
 
     # The path's record reads these after every call of a stack (26 region graphs on GPT-2):
@@ -176,13 +180,17 @@ class PathPieces:
         self.last.clear()
 
     def begin(self, graph: int, weights: Sequence[Any]
-              ) -> tuple[bool, tuple[list[int], list[int]]]:
+              ) -> tuple[bool, tuple[tuple[Any, ...], list[int]]]:
         """A split graph's run starts: (are its weights the last complete run's, this run's
         marks for ``end``). The last marks are popped: a run that raises leaves none."""
-        marks = (list(map(id, weights)), list(map(_DATA_PTR, weights)))
-        return self.marks.pop(graph, None) == marks, marks
+        last = self.marks.pop(graph, None)
+        marks = (tuple(weights), list(map(_DATA_PTR, weights)))
+        # the same objects by ``is`` (one C-level map, no int per weight as ids would build)
+        same = last is not None and len(last[0]) == len(marks[0]) and \
+            all(map(operator.is_, marks[0], last[0])) and last[1] == marks[1]
+        return same, marks
 
-    def end(self, graph: int, marks: tuple[list[int], list[int]]) -> None:
+    def end(self, graph: int, marks: tuple[tuple[Any, ...], list[int]]) -> None:
         """The run completed: every piece validated its entry with these weights."""
         self.marks[graph] = marks
 
