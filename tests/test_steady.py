@@ -198,3 +198,42 @@ def test_gpt2_decode_replays_its_pieces_by_plan_and_makes_eagers_tokens(
             pieces = sum(p.work for p in slot.group.graphs[-1].static)
             same_as_eager(generate(model, ids, 8), generate(ref, ids, 8))
         assert hits == [7 * pieces, 0], (mode, batch, hits, rec.notes)  # 7 decode steps
+
+
+@pytest.mark.cuda
+def test_cuda_gpt2_decode_replays_by_plan_with_real_graphs_and_makes_eagers_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (real region graphs, the apply's own capturer): a steady decode replays every
+    piece by its plan, and the tokens and the whole cache (the held k and v) are eager's."""
+    import copy
+    import warnings
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the GPU machine")
+    from surgery.runtime.apply import apply_manifest
+    from tests.test_piecewise_stack import generate, same_as_eager, stack_plan, tiny_gpt2
+
+    hits = [0, 0]
+    inner = SteadyReplay.__call__
+
+    def counted(self: SteadyReplay, args: tuple[Any, ...]) -> Any:
+        out = inner(self, args)
+        hits[out is None] += 1
+        return out
+
+    monkeypatch.setattr(SteadyReplay, "__call__", counted)
+    model = tiny_gpt2().cuda()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply_manifest(model, stack_plan(), overrides={"backend": "aot_eager"})
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    stack = handle.report.by_path("transformer")
+    with torch.no_grad():
+        for _ in range(2):
+            same_as_eager(generate(model, ids), generate(ref, ids), exact=False)
+        hits[:] = [0, 0]
+        replays = stack.cuda_graph_replays
+        same_as_eager(generate(model, ids), generate(ref, ids), exact=False)
+    assert stack.cuda_graph_replays > replays, stack.notes
+    assert hits[0] == stack.cuda_graph_replays - replays and hits[1] == 0, (hits, stack.notes)
