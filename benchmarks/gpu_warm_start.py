@@ -597,6 +597,8 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
                            env=penv, timeout=timeout * (2 if phase == "turns" else 1),
                            ident={"model": name, "phase": phase})
         results.append(res)
+        if phase in _COLD:  # a deployment has none of the cold host's cache folder: torch's
+            shutil.rmtree(cache, ignore_errors=True)  # loader must not find its files there
         if "error" in res:
             break
     if keep:

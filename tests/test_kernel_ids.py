@@ -315,3 +315,112 @@ def test_golden_format_3_with_a_kernel_record_reads_back() -> None:
     rec = kernel_ids.parse_record(meta)
     assert rec is not None and rec.code == frozenset({"ab" * 32})
     assert rec.triton == {"cd" * 26: ("triton_red_fused_0", kernel_ids.config_text(B))}
+
+
+# --- CUDA: real Triton kernels, two fresh processes, the cold one's cache folder gone -----------
+
+CUDA_SRC = '''
+import json, os, sys, torch
+from torch import nn
+from surgery.runtime.apply import apply_manifest
+from surgery.runtime.kernel_ids import census, check_kernels
+
+class Block(nn.Module):  # reductions (a norm, a softmax): Triton kernels with several configs
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(1024), nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return x + torch.softmax(self.lin(self.norm(x)), dim=-1)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+
+if __name__ == "__main__":
+    dev = os.environ.get("KERNEL_DEVICE", "cuda")
+    model = build().to(dev).eval()
+    x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1)).to(dev)
+    warm = sys.argv[1] == "warm"
+    with torch.inference_mode():
+        h = apply_manifest(model, "net.surgery.toml", cache=True if warm else None,
+                           overrides={} if dev == "cuda" else {"on_cpu": "compile"})
+        for _ in range(3):
+            out = model(x)
+    res = {"out": out.float().cpu().tolist()[0][:64], "sum": float(out.double().sum()),
+           "census": census().as_dict()}
+    if warm:
+        res.update(check=check_kernels(h).as_dict(), precompiled=h.report.cache.precompiled,
+                   reason=h.report.cache.reason)
+    else:
+        h.save_cache()
+    print(json.dumps(res))
+'''
+
+
+def _process(site: Path, phase: str, cache_dir: Path, device: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(site), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+        "KERNEL_DEVICE": device}
+    run = subprocess.run([sys.executable, "knet.py", phase], cwd=site, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def kernel_site(tmp_path: Path) -> Path:
+    """tmp_path with knet.py and its manifest (one group, both blocks)."""
+    import sys
+
+    (tmp_path / "knet.py").write_text(CUDA_SRC)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        knet = importlib.import_module("knet")
+        m = Manifest(compute_fingerprint(knet.build().state_dict()),
+                     [Region("block", ["blocks.0", "blocks.1"])],
+                     compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("knet", None)
+    save_manifest(m, str(tmp_path / "net.surgery.toml"))
+    return tmp_path
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_warm_process_runs_the_cold_processs_kernels_and_bits(tmp_path, monkeypatch) -> None:
+    """A cold process compiles (inductor, Triton, its own cache folder), runs and saves; its
+    cache folder is then deleted (a deployment on another host has none of it); a warm process
+    with an empty folder of its own starts from the bundle: it launches the same Triton kernels
+    with the same configs (pinned where its autotune cache missed), and its output has the
+    cold output's bits."""
+    import shutil
+
+    monkeypatch.setenv(ENV_KEY, KEY_HEX)
+    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
+    site = kernel_site(tmp_path)
+    cold = _process(site, "cold", site / "inductor-cold", "cuda")
+    shutil.rmtree(site / "inductor-cold")
+    warm = _process(site, "warm", site / "inductor-warm", "cuda")
+    assert warm["precompiled"] >= 1, warm["reason"]
+    assert cold["census"]["triton"] and warm["census"]["triton"], (cold, warm)  # not vacuous
+    states = {k["cache"] for k in warm["census"]["triton"].values()}
+    assert warm["check"]["recorded"] and warm["check"]["same"], (warm["check"], states)
+    assert warm["sum"] == cold["sum"] and warm["out"] == cold["out"], (
+        warm["check"], states, cold["census"]["triton"], warm["census"]["triton"])
