@@ -19,6 +19,9 @@ then ignored). So, without touching the installed packages:
   package's lazy imports included, as pip would have at install) into a fresh prefix, for every
   timed process of the run, cold and warm alike. Its seconds are reported; they are an install's,
   not a start's.
+- ``surgery``: the prefix filled by surgery's own deployment step (``surgery bytecode``,
+  surgery.runtime.bytecode: exactly the files a warm start imports, not whole packages), read
+  like ``compiled``: the figure a deployer gets from that step.
 - ``none``: an empty prefix and ``PYTHONDONTWRITEBYTECODE=1``: no bytecode at all, the standard
   library's included, as on an image that has none (to show the H200's condition on a host that
   has bytecode).
@@ -40,7 +43,7 @@ import sysconfig
 import time
 from typing import Any
 
-MODES = ("host", "compiled", "none")
+MODES = ("host", "compiled", "surgery", "none")
 _SKIP_ROOTS = ("__main__",)  # a script, not a module to compile
 # The standard library's folders no start imports (its tests, GUI), and the installed packages
 # below it (compiled by name instead).
@@ -70,7 +73,8 @@ print(json.dumps(roots))
 
 def env_for(mode: str, prefix: str | None, base: dict[str, str]) -> dict[str, str]:
     """``base`` with the bytecode of ``mode``: ``compiled`` reads ``prefix`` (filled by
-    ``compile_into``), ``none`` an empty ``prefix`` with writing off, ``host`` unchanged."""
+    ``compile_into``), ``surgery`` likewise (filled by ``surgery bytecode``), ``none`` an empty
+    ``prefix`` with writing off, ``host`` unchanged."""
     if mode not in MODES:
         raise ValueError(f"bytecode mode {mode!r}: use one of {', '.join(MODES)}")
     env = dict(base)

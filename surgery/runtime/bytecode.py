@@ -48,10 +48,18 @@ from surgery.runtime.private_dirs import dir_problem
 from surgery.runtime.warm_loader import CPU_BUILD_MODULES, CUDA_BUILD_MODULES
 
 PREFIX_ENV = "PYTHONPYCACHEPREFIX"  # where Python reads (and writes) bytecode when set
+# Imported after the loader's set-up: by inductor's generated code's header (memory planning,
+# hooks, Triton's helpers on CUDA), by guards (the validator) and by torch's locks; found
+# missing by `gpu_warm_start.py --pyc surgery` on the CPU when only the loader was listed.
+AFTER_LOADER_MODULES = ("torch._inductor.codegen.memory_planning", "torch._inductor.hooks",
+                        "torch.fx.experimental.validator", "multiprocessing.synchronize",
+                        "torch._inductor.runtime.triton_helpers",
+                        "torch._inductor.runtime.hints", "torch._inductor.runtime.runtime_utils")
 # What a warm start imports, by fixed names (a name this torch lacks is skipped).
 WARM_PATH_MODULES: tuple[str, ...] = ("torch", "surgery.runtime.apply", "jsonschema",
                                       *LOADER_MODULES, *CUDA_LOADER_MODULES,
-                                      *CPU_BUILD_MODULES, *CUDA_BUILD_MODULES)
+                                      *CPU_BUILD_MODULES, *CUDA_BUILD_MODULES,
+                                      *AFTER_LOADER_MODULES)
 _TIMEOUT_S = 900  # discovery or compile: a hung interpreter is an error, not a wait forever
 
 _DISCOVER = """
