@@ -424,3 +424,24 @@ def test_cuda_warm_process_runs_the_cold_processs_kernels_and_bits(tmp_path, mon
     assert warm["check"]["recorded"] and warm["check"]["same"], (warm["check"], states)
     assert warm["sum"] == cold["sum"] and warm["out"] == cold["out"], (
         warm["check"], states, cold["census"]["triton"], warm["census"]["triton"])
+
+
+def test_a_kernel_held_twice_reads_as_the_object_that_launched(monkeypatch, tmp_path) -> None:
+    """A kernel's own source module and the graph's module can hold two objects of one kernel
+    (one hash); only one launched. The census reads that one, whichever comes first, and a
+    module without a graph's ``call`` (a kernel's own) is not output code."""
+    launched, idle = _Kernel([A, B]), _Kernel([A, B])
+    launched.autotune(1)
+    for first, second in ((launched, idle), (idle, launched)):
+        kmod, gmod = types.ModuleType("kernel_src"), types.ModuleType("graph")
+        (tmp_path / "k.py").write_text("import triton\n")
+        kmod.__file__ = gmod.__file__ = str(tmp_path / "k.py")
+        kmod.triton_red_fused_0 = first  # type: ignore[attr-defined]
+        gmod.triton_red_fused_0 = second  # type: ignore[attr-defined]
+        monkeypatch.setattr(PyCodeCache, "modules", [kmod, gmod])
+        monkeypatch.setattr(PyCodeCache, "modules_no_attr", {})
+        now = kernel_ids.census()
+        assert now.triton["c" * 52][1] == kernel_ids.config_text(B)
+        assert now.code == {}  # neither module has a graph's call
+        gmod.call = lambda args: None  # type: ignore[attr-defined]
+        assert len(kernel_ids.census().code) == 1

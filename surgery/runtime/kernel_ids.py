@@ -18,11 +18,13 @@ processes that run "the same" compiled region:
   its pick there launches it without benchmarking (torch's ``autotune_cache_state`` "hit");
 - nothing else inductor chooses by timing in the default mode.
 
-What an identity is. An output-code module loaded by inductor (``PyCodeCache``): the sha256 of
-its source without the ``# AOT ID:`` line (on the CPU its C++ kernels are inline in that
-source). A Triton kernel: torch's ``kernel_hash`` (the sha256 of its source, which names its
-file), its name, the config it launches (``config_text``: after autotuning, its one launcher),
-and torch's autotune-cache state when it was made.
+What an identity is. A graph's output-code module loaded by inductor (``PyCodeCache``, one
+with the graph's ``call``; a Triton kernel's own source module is not one): the sha256 of its
+source without the ``# AOT ID:`` line (on the CPU its C++ kernels are inline in that source).
+A Triton kernel: torch's ``kernel_hash`` (the sha256 of its source, which names its file), its
+name, the config it launches (``config_text``: after autotuning, its one launcher),
+and torch's autotune-cache state when it was made; of two objects of one kernel (its own module
+and the graph's may each hold one), the one that launched.
 
 The record (KERNELS_FIELD in the bundle's precompiled record, KERNELS_FORMAT): made by
 ``kernel_record()`` when a bundle is saved, *before* the precompiled part compiles anything, so
@@ -150,13 +152,14 @@ def census() -> Census:
     """What inductor has loaded in this process (see the module doc)."""
     out = Census()
     mods = _modules()
-    for mod in mods:
-        if (ident := _identity_of(mod)) is not None:
+    for mod in mods:  # a graph's wrapper (its ``call``); a Triton kernel's own module is not
+        if callable(getattr(mod, "call", None)) and (ident := _identity_of(mod)) is not None:
             out.code[ident] = str(getattr(mod, "key", ""))
     for name, k in _autotuners(mods):
         info = getattr(k, "autotune_cache_info", None) or {}
-        out.triton[str(k.kernel_hash or name)] = (
-            name, _picked(k), str(info.get("autotune_cache_state", "")))
+        h, picked = str(k.kernel_hash or name), _picked(k)
+        if picked is not None or h not in out.triton:  # one object of a kernel that launched
+            out.triton[h] = (name, picked, str(info.get("autotune_cache_state", "")))
     return out
 
 
