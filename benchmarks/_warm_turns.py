@@ -23,7 +23,10 @@ graphs); and the process's peak.
 
 What it does not show: whether the warm *process* runs the cold process's kernels (in this
 process the warm model's kernels are loaded next to the cold model's); that is the census and
-region comparison of the separate warm process (benchmarks/_same_kernels.py).
+region comparison of the separate warm process (benchmarks/_same_kernels.py). Nor do its
+identical rounds decide warm == cold: the cold model here is compiled again and its Triton
+kernels tune themselves, so where a cold compile is not deterministic (Flux on the H200) its
+bits follow its own picks, not the bundle's cold process's.
 """
 
 from __future__ import annotations
