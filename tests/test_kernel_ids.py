@@ -445,3 +445,24 @@ def test_a_kernel_held_twice_reads_as_the_object_that_launched(monkeypatch, tmp_
         assert now.code == {}  # neither module has a graph's call
         gmod.call = lambda args: None  # type: ignore[attr-defined]
         assert len(kernel_ids.census().code) == 1
+
+
+def test_a_kernel_of_another_shape_never_stops_a_deployment(monkeypatch) -> None:
+    """A torch whose kernel objects break the pin's reading (here: a config list that raises):
+    nothing raises, the kernel stays as it is, and the check says the pin failed."""
+    rec = _record_of_cold(monkeypatch, pick=1)
+
+    class Odd(_Kernel):
+        @property
+        def compile_results(self):  # type: ignore[no-untyped-def,override]
+            raise RuntimeError("another torch")
+
+        @compile_results.setter
+        def compile_results(self, v):  # type: ignore[no-untyped-def]
+            pass
+
+    odd = Odd([A, B])
+    _loaded(monkeypatch, odd)
+    assert kernel_ids.pin_kernels(rec) == 0 and len(odd.launchers) == 2
+    assert "pinning failed (RuntimeError" in kernel_ids.check_against(
+        rec, kernel_ids.census()).not_pinned[0]

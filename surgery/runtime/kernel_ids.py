@@ -209,8 +209,15 @@ class KernelRecord:
 
 
 def pin_kernels(record: KernelRecord | None) -> int:
-    """``record.pin()``; nothing without a record (a bundle written before records)."""
-    return record.pin() if record is not None else 0
+    """``record.pin()``; nothing without a record (a bundle written before records). Never
+    raises: a torch whose kernels have another shape leaves them unpinned, and says so."""
+    if record is None:
+        return 0
+    try:
+        return record.pin()
+    except Exception as e:  # torch's internals: a pin must never stop a deployment
+        record.not_pinned["*"] = f"pinning failed ({type(e).__name__}: {str(e)[:120]})"
+        return 0
 
 
 def _text(v: Any, what: str) -> str:
