@@ -7,7 +7,9 @@ the native build started in threads, the build's modules imported first) and the
 ``prepare_loader(device, keys)`` (surgery.runtime.load_timing: the loader's imports, the
 native build's step, the wait for the keys). Arms:
 
-  after   the code as it is: the threads beside the imports
+  after   the native build's thread beside the imports (``KeyPrefetch.start(device,
+          build=True)``: the default on CUDA; on the CPU asked for, since by default the CPU
+          keeps its probe after the imports)
   before  ``KeyPrefetch.start(device, build=False)``: the code before the native-build thread
           (on CUDA the keys still hashed in their thread; the build after the imports, on the
           caller's thread; on the CPU every step on the caller's thread, one after the other)

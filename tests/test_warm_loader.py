@@ -125,7 +125,7 @@ def test_the_native_build_starts_beside_the_imports_and_the_set_up_waits_for_it(
                         lambda device: _sleeping(slow_imports))
     _fake_keys(monkeypatch)
     calls = _fake_builds(monkeypatch, delay=1.0)
-    pre = KeyPrefetch.start(device)
+    pre = KeyPrefetch.start(device, build=True)
     called = time.perf_counter()
     setup = load_timing.prepare_loader(device, pre)
     assert [(n, who) for n, who, _ in calls] == [(build, "surgery-build-prefetch"),
@@ -138,11 +138,27 @@ def test_the_native_build_starts_beside_the_imports_and_the_set_up_waits_for_it(
     assert setup.keys["build"][build] >= 1.0 and "failed" not in setup.keys
 
 
+def test_the_build_thread_starts_by_default_on_cuda_only(monkeypatch) -> None:
+    """On the 2-core CPU the ISA probe's thread made the set-up slower (RESULTS.md, y23b): the
+    CPU runs it after the imports, on the caller's thread, unless asked; CUDA starts it."""
+    _fake_keys(monkeypatch)
+    monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
+    monkeypatch.setattr(load_timing, "CUDA_LOADER_MODULES", ())
+    calls = _fake_builds(monkeypatch)
+    cpu = KeyPrefetch.start("cpu")
+    assert cpu.build_thread is None and cpu.build == ""
+    load_timing.prepare_loader("cpu", cpu)
+    cuda = KeyPrefetch.start("cuda")
+    cuda.wait_build()
+    assert [(n, who) for n, who, _ in calls] == [("cpu_isa_probe", "MainThread"),
+                                                 ("triton_driver", "surgery-build-prefetch")]
+
+
 def test_a_native_build_that_fails_in_its_thread_runs_in_the_set_up(monkeypatch) -> None:
     _fake_keys(monkeypatch)
     monkeypatch.setattr(load_timing, "LOADER_MODULES", ())
     calls = _fake_builds(monkeypatch, fail_first=True)
-    pre = KeyPrefetch.start("cpu")
+    pre = KeyPrefetch.start("cpu", build=True)
     setup = load_timing.prepare_loader("cpu", pre)
     assert [(n, who) for n, who, _ in calls] == [("cpu_isa_probe", "surgery-build-prefetch"),
                                                  ("cpu_isa_probe", "MainThread")]
@@ -157,7 +173,7 @@ _BUILD_ALONE = """
     device = sys.argv[1]
     if device == "cuda":
         torch.cuda.init()
-    pre = KeyPrefetch.start(device)
+    pre = KeyPrefetch.start(device, build=True)
     started = set(sys.modules)
     pre.wait_build()
     if device == "cuda":

@@ -46,6 +46,12 @@ What is done instead.
   thread starts, so the two threads never import at once: two threads importing torch's
   circular modules in opposite orders can meet in the import lock (``_DeadlockError``). A
   test checks, in a fresh interpreter, that the thread's work imports no module.
+  By default on CUDA only. On the CPU the probe is a C++ build plus a child interpreter that
+  imports torch to load it: measured in turns on the 2-core CPU (benchmarks/RESULTS.md, y23b),
+  the thread made the set-up slower on torch 2.11 without bytecode in all three rounds (49 ->
+  80, 58 -> 95, 43 -> 53 s: the compiler and the child took the cores the imports needed) and
+  gave no gain it could vouch for on torch 2.14. So the CPU keeps the probe after the imports
+  unless ``start(..., build=True)`` asks for the thread.
 - **No pool for loads.** ``serial_kernel_loads(device)`` sets inductor's ``compile_threads`` to 1
   around each artifact's load on CUDA, so no pool is started for kernels that are only loaded.
   A later compile (a region with no artifact, a new signature) runs with the configured threads
@@ -157,12 +163,14 @@ class KeyPrefetch:
         self.seconds[name] = round(time.perf_counter() - t, 3)
 
     @classmethod
-    def start(cls, device: str, *, build: bool = True) -> KeyPrefetch:
-        """Start computing the keys the loader needs on ``device`` (none on the CPU) and its
-        native build (Triton's driver on CUDA, the vector-ISA probe on the CPU; ``build=False``:
-        the keys only, as before that thread, for an A/B)."""
+    def start(cls, device: str, *, build: bool | None = None) -> KeyPrefetch:
+        """Start computing the keys the loader needs on ``device`` (none on the CPU) and, on
+        CUDA, its native build (Triton's driver). ``build``: True also starts the CPU's ISA
+        probe in the thread, False none (the keys only, as before that thread), for an A/B;
+        by default CUDA only (see the module doc for why not the CPU)."""
         funcs = _key_functions(device)
         pre = cls([n for n, _ in funcs], None)
+        build = device.startswith("cuda") if build is None else build
         if build and (native := native_build(device)) is not None:
             name, fn, modules = native
             t = time.perf_counter()
