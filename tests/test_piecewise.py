@@ -243,7 +243,7 @@ def test_pieces_replay_and_held_outputs_are_never_overwritten() -> None:
     model, ref, slots = install_rope_stack(cap)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.inference_mode():
-        for s in range(10):
+        for s in range(14):  # readopt recaptures a piece once (graphs.steady): 14, not 10
             x = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(s))
             torch.testing.assert_close(model(x), ref(x))
             for blk in model.blocks:
@@ -334,7 +334,10 @@ def test_under_replay_the_tensor_cache_grows_and_no_piece_is_captured_again() ->
             replays.append([sl.record.cuda_graph_replays for sl in slots])
     for sl in slots:
         assert sl.record.pieces == 2 and sl.record.status == "compiled", sl.record.reason
-    # steps 1-3: the empty cache (eager), the compile, the first capture; from then on, steady
-    assert captured[3] == captured[-1] and all(c >= 2 for c in captured[-1]), captured
-    for before, after in itertools.pairwise(replays[3:]):
+    # steps 1-3: the empty cache (eager), the compile, the first capture; then at most one
+    # recapture a piece (graphs.steady's readopt: an input another piece now owns is read in
+    # place), and from step 5 on, steady
+    assert captured[4] == captured[-1] and all(c >= 2 for c in captured[-1]), captured
+    assert all(c - b <= 2 for b, c in zip(captured[2], captured[-1], strict=True)), captured
+    for before, after in itertools.pairwise(replays[4:]):
         assert all(b - a >= 2 for a, b in zip(before, after, strict=True)), replays

@@ -256,6 +256,12 @@ def bytecode(folder: str, extra: tuple[str, ...], as_json: bool) -> None:
     0700 when missing, refused (exit 3) when others may write it or a folder above it,
     because a .pyc there is code every deployment runs. A package upgraded since is compiled
     from source again (Python checks each .pyc against its source): run this again then.
+
+    \b
+    Examples:
+      surgery bytecode /srv/model/pyc
+      surgery bytecode /srv/model/pyc --import transformers.models.bert.modeling_bert
+      PYTHONPYCACHEPREFIX=/srv/model/pyc python serve.py
     """
     from surgery.runtime.bytecode import compile_bytecode  # imports torch: only this pays
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,10 +100,12 @@ def _picked(kernel: Any) -> str | None:
 
 
 def _modules() -> list[Any]:
-    """inductor's loaded output-code modules, each once."""
-    try:
-        from torch._inductor.codecache import PyCodeCache  # heavy: inductor's
-    except Exception:  # a torch without inductor has no generated code
+    """inductor's loaded output-code modules, each once. Where inductor's code cache was never
+    imported no output code is loaded, and importing it would cost a runner-only start the
+    imports it exists to avoid (inductor's loader and Triton)."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    PyCodeCache = getattr(codecache, "PyCodeCache", None)
+    if PyCodeCache is None:
         return []
     seen: dict[int, Any] = {}
     for mod in [*getattr(PyCodeCache, "modules", []),
