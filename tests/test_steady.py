@@ -35,6 +35,20 @@ def _planned(fn: Any = _fn, module: nn.Module | None = None
     return g, calls, plan, args
 
 
+
+def plan_hits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[replays a plan served, calls it passed to the full path], counted from now on."""
+    hits = [0, 0]
+    inner = SteadyReplay.__call__
+
+    def counted(self: SteadyReplay, args: tuple[Any, ...]) -> Any:
+        out = inner(self, args)
+        hits[out is None] += 1
+        return out
+
+    monkeypatch.setattr(SteadyReplay, "__call__", counted)
+    return hits
+
 def test_a_plan_replays_its_own_signature_with_the_calls_inputs() -> None:
     g, calls, plan, _ = _planned()
     with torch.no_grad():
@@ -178,15 +192,7 @@ def test_gpt2_decode_replays_its_pieces_by_plan_and_makes_eagers_tokens(
     from tests.test_piecewise_stack import generate, installed_stack, same_as_eager
 
     pytest.importorskip("transformers")
-    hits = [0, 0]
-    inner = SteadyReplay.__call__
-
-    def counted(self: SteadyReplay, args: tuple[Any, ...]) -> Any:
-        out = inner(self, args)
-        hits[out is None] += 1
-        return out
-
-    monkeypatch.setattr(SteadyReplay, "__call__", counted)
+    hits = plan_hits(monkeypatch)
     model, ref, slot, rec = installed_stack()
     gen = torch.Generator().manual_seed(5)
     for mode, batch in ((torch.inference_mode, 1), (torch.no_grad, 2)):
@@ -213,15 +219,7 @@ def test_cuda_gpt2_decode_replays_by_plan_with_real_graphs_and_makes_eagers_toke
     from surgery.runtime.apply import apply_manifest
     from tests.test_piecewise_stack import generate, same_as_eager, stack_plan, tiny_gpt2
 
-    hits = [0, 0]
-    inner = SteadyReplay.__call__
-
-    def counted(self: SteadyReplay, args: tuple[Any, ...]) -> Any:
-        out = inner(self, args)
-        hits[out is None] += 1
-        return out
-
-    monkeypatch.setattr(SteadyReplay, "__call__", counted)
+    hits = plan_hits(monkeypatch)
     model = tiny_gpt2().cuda()
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
