@@ -6,6 +6,7 @@ bit for bit what they were with a conversion per attention."""
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -244,6 +245,39 @@ def test_the_export_flag_reads_false_only_while_a_piecewise_call_runs(
         assert piece_masks.compiling_not_exporting(lambda: table[key]) is True
     monkeypatch.setattr(piece_masks, "NOT_EXPORTING", False)
     assert piece_masks.compiling_not_exporting(lambda: table[key]) is True
+
+
+def test_overlapping_calls_of_two_threads_put_the_export_flag_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads' piecewise calls overlap and end in the order they began: the process's
+    table entry reads False while either runs, and True again once both ended (a call that
+    restored what it found would leave the second one's False for good)."""
+    key = torch.compiler.is_exporting
+    table = {key: True}
+    monkeypatch.setattr(piece_masks, "_table", table)
+    a_in, b_in, a_go, b_go = (threading.Event() for _ in range(4))
+    seen: list[Any] = []
+
+    def call(entered: threading.Event, go: threading.Event) -> None:
+        def body() -> None:
+            entered.set()
+            assert go.wait(10)
+            seen.append(table[key])
+
+        piece_masks.compiling_not_exporting(body)
+
+    a = threading.Thread(target=call, args=(a_in, a_go))
+    b = threading.Thread(target=call, args=(b_in, b_go))
+    a.start()
+    assert a_in.wait(10)
+    b.start()
+    assert b_in.wait(10)
+    a_go.set()
+    a.join(10)
+    assert table[key] is False  # b still runs
+    b_go.set()
+    b.join(10)
+    assert seen == [False, False] and table == {key: True}
 
 
 @pytest.mark.cuda

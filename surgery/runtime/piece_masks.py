@@ -6,19 +6,19 @@ mask (a query of one token attends to every cached key: ``attn_mask=None``,
 ``masking_utils._ignore_causal_mask_sdpa``). Under ``torch.compile`` it skips it too, unless
 ``torch.compiler.is_exporting()`` answers True: and dynamo before torch 2.14 folds that call to
 the constant True in every trace, export or not (its ``tracing_state_functions`` table; fixed by
-pytorch#176499, which transformers names). So on torch 2.11 (the H200's) the GPT-2 stack's
-graph built the causal mask as a boolean tensor (``arange(L) <= position``, 8 ops between the
-pieces) and handed it to all 12 SDPAs, which eager's attention never sees. While a piecewise
-group's compiled function runs (``compiling_not_exporting``), that table entry reads False: what
-``is_exporting()`` returns outside an export, and what torch 2.14's dynamo reads there (the
-real flag). Never inside a real export (``torch.compiler.is_exporting()`` called outside a
-trace reads the flag torch.export sets). Nothing else in the table changes, the entry is put
-back after each call (nested calls restore what they found), and on torch 2.14 and later, or
-where the table is not found, nothing is touched. A transformers whose skip declines whenever
-it traces (5.17, the H200's; the skip under compile came with transformers#48975) builds the
-mask anyway: the shared conversion below is what applies there. One limit: the table is the
-process's, so a ``torch.export`` traced in another thread *while* a piecewise call runs would
-read False.
+pytorch#176499, which transformers names). So on torch 2.11 (the H200's) the GPT-2 stack's graph
+built the causal mask as a boolean tensor (``arange(L) <= position``, 8 ops between the pieces)
+and handed it to all 12 SDPAs, which eager's attention never sees. While a piecewise group's
+compiled function runs (``compiling_not_exporting``), that table entry reads False: what
+``is_exporting()`` returns outside an export, and what torch 2.14's dynamo reads there (the real
+flag). Never inside a real export (``torch.compiler.is_exporting()`` called outside a trace
+reads the flag torch.export sets). Nothing else in the table changes, the entry is put back once
+the last call in flight ends (nested calls and other threads' calls counted), and on torch 2.14
+and later, or where the table is not found, nothing is touched. A transformers whose skip
+declines whenever it traces (5.17, the H200's; the skip under compile came with
+transformers#48975) builds the mask anyway: the shared conversion below is what applies there.
+One limit: the table is the process's, so a ``torch.export`` traced in another thread *while* a
+piecewise call runs would read False.
 
 **One additive mask, not one per attention.** Where a boolean mask remains (a padding mask:
 ``generate()`` of a left-padded batch; any model that builds its own), SDPA converts it to an
@@ -51,6 +51,7 @@ length per query and batch row) instead of one per attention in turn.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -98,16 +99,42 @@ def exporting_table() -> dict[Any, Any] | None:
 
 def compiling_not_exporting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with dynamo tracing ``torch.compiler.is_exporting()`` as False
-    (torch < 2.14; see the module docstring), the table entry put back after."""
+    (torch < 2.14; see the module docstring), the table entry put back after.
+
+    The table is the process's, so the calls in flight are counted under a lock: the first one
+    in saves the entry, the last one out puts it back. (Each call saving and restoring its own
+    view would leave it False for good when two threads' calls overlap and end in the order
+    they began.)"""
     table = exporting_table()
     if table is None or torch.compiler.is_exporting():  # a real export: its answer stands
         return fn(*args, **kwargs)
-    key = torch.compiler.is_exporting
-    prev, table[key] = table[key], False
+    _enter(table)
     try:
         return fn(*args, **kwargs)
     finally:
-        table[key] = prev
+        _leave(table)
+
+
+_lock = threading.Lock()
+_in_flight = 0  # piecewise calls running with the entry flipped (any thread, nested)
+_saved: Any = None  # the entry as the first of them found it
+
+
+def _enter(table: dict[Any, Any]) -> None:
+    global _in_flight, _saved
+    with _lock:
+        if _in_flight == 0:
+            _saved = table[torch.compiler.is_exporting]
+            table[torch.compiler.is_exporting] = False
+        _in_flight += 1
+
+
+def _leave(table: dict[Any, Any]) -> None:
+    global _in_flight
+    with _lock:
+        _in_flight -= 1
+        if _in_flight == 0:
+            table[torch.compiler.is_exporting] = _saved
 
 
 def _cudnn_may_convert(mask: torch.Tensor, dtype: torch.dtype) -> bool:
