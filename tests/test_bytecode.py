@@ -103,3 +103,13 @@ def test_the_cli_compiles_and_says_how_to_deploy(tmp_path, monkeypatch) -> None:
     assert list((tmp_path / "pyc").rglob("csv*.pyc"))  # the --import module's too
     r = CliRunner().invoke(cli, ["bytecode", str(tmp_path / "pyc"), "--import", "os; rm"])
     assert r.exit_code == 2 and "not a dotted module name" in r.output
+
+
+def test_a_child_that_hangs_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch) -> None:
+    """A discovery interpreter past the time limit: BytecodeFolderError (exit 3 at the CLI)
+    naming the stage and the limit, and the folder holds nothing it wrote."""
+    monkeypatch.setattr(bytecode, "_TIMEOUT_S", 0.01)
+    folder = tmp_path / "pyc"
+    with pytest.raises(BytecodeFolderError, match="discovery interpreter did not finish"):
+        bytecode.compile_bytecode(str(folder), modules=("json",))
+    assert list(folder.iterdir()) == []

@@ -106,11 +106,22 @@ def _child_env(folder: str, *, write: bool) -> dict[str, str]:
     return env
 
 
+def _run(argv: list[str], *, folder: str, write: bool, stage: str
+         ) -> subprocess.CompletedProcess[str]:
+    """A child interpreter of this Python; one that outlives _TIMEOUT_S is an error."""
+    try:
+        return subprocess.run(argv, env=_child_env(folder, write=write), capture_output=True,
+                              text=True, timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise BytecodeFolderError(f"the {stage} did not finish within {_TIMEOUT_S} s",
+                                  path=folder, hint="check that this Python imports torch and "
+                                  "surgery without hanging, then run it again") from e
+
+
 def discover_files(modules: Sequence[str], *, folder: str) -> list[str]:
     """The source files of every module a fresh interpreter loads importing ``modules``."""
-    run = subprocess.run([sys.executable, "-c", _DISCOVER, *modules],
-                         env=_child_env(folder, write=False), capture_output=True, text=True,
-                         timeout=_TIMEOUT_S)
+    run = _run([sys.executable, "-c", _DISCOVER, *modules], folder=folder, write=False,
+               stage="discovery interpreter")
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0 or not lines:
         raise BytecodeFolderError(
@@ -139,9 +150,8 @@ def compile_bytecode(folder: str, *, extra_modules: Sequence[str] = (),
     with tempfile.NamedTemporaryFile("w", suffix=".txt", dir=folder, delete=False) as listing:
         listing.write("\n".join(files) + "\n")
     try:
-        run = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", "-i",
-                              listing.name], env=_child_env(folder, write=True),
-                             capture_output=True, text=True, timeout=_TIMEOUT_S)
+        run = _run([sys.executable, "-m", "compileall", "-q", "-j", "0", "-i", listing.name],
+                   folder=folder, write=True, stage="compileall")
     finally:
         os.unlink(listing.name)
     failed = sum(1 for line in run.stdout.splitlines() if line.startswith("*** Error"))
