@@ -4,10 +4,17 @@ tests can forge the blobs an attacker would, without torch writing them."""
 from __future__ import annotations
 
 import base64
+import importlib
 import pickle
+import sys
 import textwrap
 import zlib
 from pathlib import Path
+from typing import Any
+
+from surgery.formats.fingerprint import compute_fingerprint
+from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, save_manifest
+from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
 
 KEY_HEX = "5e" * 32  # what `secrets.token_hex(32)` prints: 64 hex digits
 KEY = bytes.fromhex(KEY_HEX)
@@ -42,6 +49,26 @@ TWO_BLOCKS_SRC = textwrap.dedent('''
         torch.manual_seed(0)
         return Net()
 ''')
+
+
+
+def signed_site(tmp_path: Path, monkeypatch: Any, name: str, source: str) -> Path:
+    """``tmp_path`` holding the module ``name`` (``source``: TWO_BLOCKS_SRC and its STEP) and
+    net.surgery.toml of its two blocks (inductor on the CPU); the deployer's key in the
+    environment, a cache folder of the test's own, the module importable, cwd there."""
+    monkeypatch.setenv(ENV_KEY, KEY_HEX)
+    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    mod = importlib.reload(sys.modules[name]) if name in sys.modules else \
+        importlib.import_module(name)  # this test's file, not an earlier test's module
+    m = Manifest(compute_fingerprint(mod.build().state_dict()),
+                 [Region("block", ["blocks.0", "blocks.1"])],
+                 compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
+    save_manifest(m, str(tmp_path / "net.surgery.toml"))
+    return tmp_path
 
 
 def torch_cache_blob(groups: list[tuple[str, list[tuple[str, bytes]]]]) -> bytes:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bundle_support import KEY, KEY_HEX, TWO_BLOCKS_SRC
+from bundle_support import KEY, KEY_HEX, TWO_BLOCKS_SRC, signed_site
 from torch._inductor.codecache import PyCodeCache
 
 from surgery.formats.fingerprint import compute_fingerprint
@@ -42,17 +42,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture
 def site(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(ENV_KEY, KEY_HEX)
-    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    (tmp_path / "kmod.py").write_text(SRC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    m = Manifest(compute_fingerprint(_mod().build().state_dict()),
-                 [Region("block", ["blocks.0", "blocks.1"])],
-                 compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
-    save_manifest(m, str(tmp_path / "net.surgery.toml"))
-    return tmp_path
+    return signed_site(tmp_path, monkeypatch, "kmod", SRC)
 
 
 def _mod():  # type: ignore[no-untyped-def]

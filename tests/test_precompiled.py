@@ -22,17 +22,15 @@ from typing import Any
 
 import pytest
 import torch
-from bundle_support import EMPTY_BLOB, KEY, KEY_HEX, TWO_BLOCKS_SRC
+from bundle_support import EMPTY_BLOB, KEY, TWO_BLOCKS_SRC, signed_site
 from click.testing import CliRunner
 from torch._dynamo.utils import counters
 
 from surgery.cli import cli
-from surgery.formats.fingerprint import compute_fingerprint
-from surgery.formats.manifest import DEFAULT_COMPILE, Manifest, Region, load_manifest, save_manifest
+from surgery.formats.manifest import load_manifest
 from surgery.runtime import bundle, bundle_parts, cache, call_example, precompiled
 from surgery.runtime.apply import apply_manifest
 from surgery.runtime.report import CacheIgnoredWarning, SurgeryWarning
-from surgery.runtime.signing import ENV_KEY, ENV_KEY_FILE
 
 AOT = {"backend": "aot_eager", "on_cpu": "compile"}
 MODES = {"grad": False, "inference": False, "autocast": []}
@@ -62,18 +60,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 @pytest.fixture
 def site(tmp_path, monkeypatch) -> Path:
     """tmp_path holding premod.py and net.surgery.toml (inductor on the CPU); cwd there."""
-    monkeypatch.setenv(ENV_KEY, KEY_HEX)
-    monkeypatch.delenv(ENV_KEY_FILE, raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    (tmp_path / "premod.py").write_text(MODEL_SRC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    mod = _premod()
-    m = Manifest(compute_fingerprint(mod.build().state_dict()),
-                 [Region("block", ["blocks.0", "blocks.1"])],
-                 compile={**DEFAULT_COMPILE, "on_cpu": "compile"})
-    save_manifest(m, str(tmp_path / "net.surgery.toml"))
-    return tmp_path
+    return signed_site(tmp_path, monkeypatch, "premod", MODEL_SRC)
 
 
 def _pythonpath(site: Path) -> str:
