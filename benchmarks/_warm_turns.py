@@ -9,7 +9,11 @@ holds both:
 - ``warm``: a second model, built the same way (same seed, same weights), applied with the cold
   process's bundle (``cache=bundle``): its groups install the bundle's precompiled callables.
   That it runs them, and not the dynamo cache the cold model just filled, is counted, not
-  assumed: its paths' ``compiles`` stay 0, their ``precompiled_runs`` grow by the turns' calls,
+  assumed: its paths' ``compiles`` stay 0, every compiled path ran the bundle's callable
+  (``precompiled_runs``: its CUDA graph, where it has one, was captured from that callable),
+  the turns' calls are replays of those graphs or further runs of the callables (a replay
+  never reaches the callable, so ``precompiled_runs`` alone stays still once a path replays:
+  the eighth session's proof counted only it, and read False on a warm model that replayed),
   and dynamo traces no frame from the warm model's apply to the end of the turns
   (``bytecode_tracing`` entries).
 
@@ -96,6 +100,7 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
         out["warm_frames_to_replay"] = _until_replayed(frame_w, hw.report.records, ready, cuda,
                                                        sync, mark_step)
         runs0 = sum(r.precompiled_runs for r in hw.report.records)
+        replays0 = sum(r.cuda_graph_replays for r in hw.report.records)
         frame_c, frame_w = fill(cold), fill(warm)  # the same inputs from here on, in lockstep
         ms: dict[str, list[float]] = {"cold": [], "warm": []}
         peak: dict[str, float] = {"cold": 0.0, "warm": 0.0}
@@ -134,6 +139,12 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
         "warm_precompiled_installed": hw.report.cache.precompiled if hw.report.cache else 0,
         "warm_compiles": sum(r.compiles for r in records),
         "warm_precompiled_runs_in_turns": sum(r.precompiled_runs for r in records) - runs0,
+        # a path whose graph was captured replays it: its calls in the turns are replays of
+        # a graph captured from the bundle's callable, and never reach the callable again
+        "warm_replays_in_turns": sum(r.cuda_graph_replays for r in records) - replays0,
+        # compiled paths that never ran the bundle's code (compiled or captured elsewhere)
+        "warm_paths_without_precompiled_run": sorted(
+            r.path for r in records if r.status == "compiled" and not r.precompiled_runs),
         "warm_compiled_paths": sum(r.status == "compiled" for r in records),
         "dynamo_frames_from_warm_apply": traced() - traced0,
         # calls whose artifact's guards failed (they went to dynamo): the first thing to read
@@ -144,7 +155,9 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
     out["warm_ran_the_bundle"] = (out["warm_precompiled_installed"] > 0 and
                                   out["warm_compiles"] == 0 and
                                   out["dynamo_frames_from_warm_apply"] == 0 and
-                                  out["warm_precompiled_runs_in_turns"] >= rounds)
+                                  not out["warm_paths_without_precompiled_run"] and
+                                  out["warm_precompiled_runs_in_turns"] +
+                                  out["warm_replays_in_turns"] >= rounds)
     hc.restore()
     hw.restore()
     return out

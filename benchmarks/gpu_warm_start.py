@@ -644,7 +644,9 @@ def turns_table(results: list[dict[str, Any]]) -> list[str]:
             f"{r['identical_rounds']}/{r['rounds']} (max abs {r['max_abs_diff']:.2e})",
             f"  the warm model ran the bundle's code: {r['warm_ran_the_bundle']} (precompiled "
             f"installed {r['warm_precompiled_installed']}, compiles {r['warm_compiles']}, "
-            f"precompiled runs in the turns {r['warm_precompiled_runs_in_turns']}, dynamo frames "
+            f"precompiled runs in the turns {r['warm_precompiled_runs_in_turns']}, graph "
+            f"replays in the turns {r.get('warm_replays_in_turns')}, paths that never ran the "
+            f"bundle's code {len(r.get('warm_paths_without_precompiled_run', []))}, dynamo frames "
             f"from its apply on {r['dynamo_frames_from_warm_apply']}, artifact guards failed "
             f"{r.get('warm_guards_failed')}); frames to replay cold "
             f"{r['cold_frames_to_replay']}, warm {r['warm_frames_to_replay']}",
