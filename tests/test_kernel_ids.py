@@ -456,3 +456,41 @@ def test_a_kernel_of_another_shape_never_stops_a_deployment(monkeypatch) -> None
     assert kernel_ids.pin_kernels(rec) == 0 and len(odd.launchers) == 2
     assert "pinning failed (RuntimeError" in kernel_ids.check_against(
         rec, kernel_ids.census()).not_pinned[0]
+
+
+def test_one_kernel_launched_with_two_configs_in_the_cold_run_is_never_the_same(
+        monkeypatch, tmp_path) -> None:
+    """The H200's Flux (ninth session): one kernel source, held by two graphs' objects,
+    launched R0_BLOCK 64 in one graph and 128 in the other in one cold process. The record
+    keeps both configs (``split``), a warm process that launches either one everywhere is not
+    "the same", and the pin leaves such a kernel alone (it cannot know which graph ran which)."""
+    g1, g2 = _Kernel([A, B]), _Kernel([A, B])
+    g1.autotune(0)
+    g2.autotune(1)
+    m1, m2 = types.ModuleType("graph1"), types.ModuleType("graph2")
+    m1.triton_red_fused_0, m2.triton_red_fused_0 = g1, g2  # type: ignore[attr-defined]
+    monkeypatch.setattr(PyCodeCache, "modules", [m1, m2])
+    monkeypatch.setattr(PyCodeCache, "modules_no_attr", {})
+    raw = kernel_ids.kernel_record()
+    assert raw["split"] == {"c" * 52: sorted([kernel_ids.config_text(A),
+                                              kernel_ids.config_text(B)])}
+    rec = kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD: raw}})
+    assert rec is not None and rec.split
+    warm = _Kernel([A, B])
+    _loaded(monkeypatch, warm)
+    assert kernel_ids.pin_kernels(rec) == 0
+    assert "launched 2 configs" in next(iter(rec.not_pinned.values()))
+    warm.autotune(1)  # the record's one pick per hash (B) matches, yet graph 1 ran A
+    check = kernel_ids.check_against(rec, kernel_ids.census())
+    assert not check.configs_differ and check.cold_split == ["triton_red_fused_0"]
+    assert not check.same and "several configs in the cold run 1" in check.line()
+
+
+def test_a_record_without_split_reads_as_before_and_a_bad_split_is_refused() -> None:
+    base = {"format": kernel_ids.KERNELS_FORMAT, "code": [], "triton": {}}
+    rec = kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD: base}})
+    assert rec is not None and rec.split == {}
+    for bad in ({"h": ["only one"]}, {"h": "x"}, ["h"], {"h": ["a"] * 17}):
+        with pytest.raises(kernel_ids.KernelRecordError):
+            kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD:
+                                                     {**base, "split": bad}}})

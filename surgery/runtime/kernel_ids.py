@@ -16,6 +16,14 @@ processes that run "the same" compiled region:
   sums, so the bits differ. torch records each pick in its autotune cache (``.best_config``
   files, which the bundle's Mega-Cache part carries), and a later process whose kernel finds
   its pick there launches it without benchmarking (torch's ``autotune_cache_state`` "hit");
+- a kernel whose one heuristic config uses too many registers: inductor then compiles a
+  copy with its reduction block halved (``_dynamic_scale_rblock``) and benchmarks the two on
+  the first launch, and that pick is not written to any cache. Measured on the H200 (torch
+  2.11, Flux, the ninth session): one kernel source held by the three graphs' objects launched
+  R0_BLOCK 64 in one graph and 128 in the others, *in one cold process*; a warm process loads
+  it from the bundle without the halved copy and launches 128 everywhere. One pick per kernel
+  hash cannot describe that cold run, so the census keeps every distinct config a hash
+  launched (``split``), and a check against a split record is never "the same";
 - nothing else inductor chooses by timing in the default mode.
 
 What an identity is. A graph's output-code module loaded by inductor (``PyCodeCache``, one
@@ -63,6 +71,7 @@ KERNELS_FIELD = "kernels"  # in the bundle's precompiled record
 KERNELS_FORMAT = 1
 MAX_KERNELS = 4096  # of each of ``code`` and ``triton``
 _MAX_TEXT = 512  # a name or a config text
+_MAX_SPLIT = 16  # configs kept for one kernel hash that launched several
 _AOT_ID = "# AOT ID:"  # the only line two compiles of one graph differ in (see above)
 _CONFIG_LISTS = ("configs", "compile_results", "launchers")  # a CachingAutotuner's candidates
 
@@ -144,11 +153,15 @@ class Census:
 
     code: dict[str, str] = field(default_factory=dict)
     triton: dict[str, tuple[str, str | None, str]] = field(default_factory=dict)
+    # kernel hash -> the distinct configs its objects launched, where more than one did (one
+    # kernel source launched with two configs in two graphs of this process: module doc)
+    split: dict[str, list[str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         triton = sorted(self.triton.items())
         return {"code": sorted(self.code),
-                "triton": {h: {"name": n, "config": c, "cache": s} for h, (n, c, s) in triton}}
+                "triton": {h: {"name": n, "config": c, "cache": s} for h, (n, c, s) in triton},
+                "split": dict(sorted(self.split.items()))}
 
 
 def census() -> Census:
@@ -158,11 +171,15 @@ def census() -> Census:
     for mod in mods:  # a graph's wrapper (its ``call``); a Triton kernel's own module is not
         if callable(getattr(mod, "call", None)) and (ident := _identity_of(mod)) is not None:
             out.code[ident] = str(getattr(mod, "key", ""))
+    launched: dict[str, set[str]] = {}
     for name, k in _autotuners(mods):
         info = getattr(k, "autotune_cache_info", None) or {}
         h, picked = str(k.kernel_hash or name), _picked(k)
         if picked is not None or h not in out.triton:  # one object of a kernel that launched
             out.triton[h] = (name, picked, str(info.get("autotune_cache_state", "")))
+        if picked is not None:
+            launched.setdefault(h, set()).add(picked)
+    out.split = {h: sorted(c)[:_MAX_SPLIT] for h, c in launched.items() if len(c) > 1}
     return out
 
 
@@ -170,8 +187,11 @@ def kernel_record() -> dict[str, Any]:
     """The record a bundle keeps of what ran in this process (KERNELS_FIELD)."""
     now = census()
     tuned = {h: [n[:_MAX_TEXT], c] for h, (n, c, _) in now.triton.items() if c is not None}
-    return {"format": KERNELS_FORMAT, "code": sorted(now.code)[:MAX_KERNELS],
-            "triton": dict(sorted(tuned.items())[:MAX_KERNELS])}
+    out = {"format": KERNELS_FORMAT, "code": sorted(now.code)[:MAX_KERNELS],
+           "triton": dict(sorted(tuned.items())[:MAX_KERNELS])}
+    if now.split:  # optional: a record without it (the eighth session's) reads as before
+        out["split"] = dict(sorted(now.split.items())[:MAX_KERNELS])
+    return out
 
 
 @dataclass
@@ -180,6 +200,7 @@ class KernelRecord:
 
     code: frozenset[str]
     triton: dict[str, tuple[str, str]]
+    split: dict[str, list[str]] = field(default_factory=dict)  # hash -> configs the cold launched
     pinned: dict[str, str] = field(default_factory=dict)  # kernel hash -> name
     not_pinned: dict[str, str] = field(default_factory=dict)  # kernel hash -> why
 
@@ -192,6 +213,10 @@ class KernelRecord:
             if h not in self.triton or h in self.pinned or max(
                     len(getattr(k, a, None) or []) for a in _CONFIG_LISTS) <= 1:
                 continue  # not listed, done, or one candidate: nothing to choose
+            if h in self.split:  # which graph ran which config is not recorded
+                self.not_pinned[h] = (f"{name}: the cold run launched {len(self.split[h])} "
+                                      "configs of it")
+                continue
             want = self.triton[h][1]
             kept: dict[str, list[Any]] = {}
             for attr in _CONFIG_LISTS:
@@ -248,7 +273,17 @@ def parse_record(meta: Mapping[str, Any]) -> KernelRecord | None:
         if not isinstance(v, list) or len(v) != 2:
             raise KernelRecordError("a kernel record's Triton entry is not [name, config]")
         kernels[_text(h, "kernel hash")] = (_text(v[0], "kernel name"), _text(v[1], "config"))
-    return KernelRecord(frozenset(_text(c, "code identity") for c in code), kernels)
+    split_raw = raw.get("split", {})
+    if not isinstance(split_raw, dict) or len(split_raw) > MAX_KERNELS:
+        raise KernelRecordError(f"the kernel record's split is not a map of at most "
+                                f"{MAX_KERNELS}")
+    split: dict[str, list[str]] = {}
+    for h, v in split_raw.items():
+        if not isinstance(v, list) or not 1 < len(v) <= _MAX_SPLIT:
+            raise KernelRecordError(f"a kernel record's split entry is not 2 to {_MAX_SPLIT} "
+                                    "configs")
+        split[_text(h, "kernel hash")] = [_text(c, "config") for c in v]
+    return KernelRecord(frozenset(_text(c, "code identity") for c in code), kernels, split)
 
 
 @dataclass
@@ -261,13 +296,18 @@ class KernelCheck:
     new_kernels: list[str] = field(default_factory=list)  # Triton kernel names not in it
     configs_differ: list[tuple[str, str, str]] = field(default_factory=list)  # name, cold, now
     untuned: list[str] = field(default_factory=list)  # kernels that have not launched yet
+    # kernels that launched more than one config in one process (module doc): in the cold
+    # run's record, or in this process
+    cold_split: list[str] = field(default_factory=list)
+    split_now: list[str] = field(default_factory=list)
     pinned: int = 0
     not_pinned: list[str] = field(default_factory=list)
 
     @property
     def same(self) -> bool:
         # a kernel not launched yet changed no output: listed, not counted against
-        return self.recorded and not (self.new_code or self.new_kernels or self.configs_differ)
+        return self.recorded and not (self.new_code or self.new_kernels or self.configs_differ
+                                      or self.cold_split or self.split_now)
 
     def line(self) -> str:
         if not self.recorded:
@@ -277,6 +317,10 @@ class KernelCheck:
                 f"{len(self.new_code)}, new Triton kernels {len(self.new_kernels)}, configs "
                 f"differing {len(self.configs_differ)}"
                 + (f" e.g. {self.configs_differ[0]}" if self.configs_differ else "")
+                + (f", launched with several configs in the cold run {len(self.cold_split)} "
+                   f"(e.g. {self.cold_split[0]})" if self.cold_split else "")
+                + (f", launched with several configs here {len(self.split_now)}"
+                   if self.split_now else "")
                 + f", untuned {len(self.untuned)}; pinned {self.pinned}"
                 + (f", not pinned: {self.not_pinned[0]}" if self.not_pinned else "") + ")")
 
@@ -284,6 +328,7 @@ class KernelCheck:
         return {"same": self.same, "recorded": self.recorded, "new_code": self.new_code,
                 "cold_code": self.cold_code, "new_kernels": self.new_kernels,
                 "configs_differ": self.configs_differ, "untuned": self.untuned,
+                "cold_split": self.cold_split, "split_now": self.split_now,
                 "pinned": self.pinned, "not_pinned": self.not_pinned}
 
 
@@ -293,6 +338,8 @@ def check_against(record: KernelRecord | None, now: Census) -> KernelCheck:
     out = KernelCheck(True, new_code=sorted(set(now.code) - record.code),
                       cold_code=len(record.code), pinned=len(record.pinned),
                       not_pinned=sorted(record.not_pinned.values()))
+    out.cold_split = sorted(record.triton.get(h, (h,))[0] for h in record.split)
+    out.split_now = sorted(now.triton[h][0] for h in now.split if h in now.triton)
     for h, (name, picked, _) in sorted(now.triton.items()):
         cold = record.triton.get(h)
         if cold is None:
