@@ -96,5 +96,8 @@ def compare_census(cold: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
             "triton_only_cold": sorted(ct[h]["name"] for h in set(ct) - set(nt))[:8],
             "triton_only_now": sorted(nt[h]["name"] for h in set(nt) - set(ct))[:8],
             "configs_differ": differ[:12], "n_configs_differ": len(differ),
+            # kernels launched with several configs in one process (kernel_ids' module doc):
+            # one config per hash above cannot show that the two ran the same
+            "split_cold": len(cold.get("split", {})), "split_now": len(now.get("split", {})),
             "same": not differ and set(cold.get("code", [])) == set(now.get("code", []))
-            and set(ct) == set(nt)}
+            and set(ct) == set(nt) and not cold.get("split") and not now.get("split")}

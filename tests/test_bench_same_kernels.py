@@ -79,3 +79,14 @@ def test_census_comparison_names_the_kernel_whose_config_differs() -> None:
     assert got["configs_differ"] == [["k2", "A", "B"]] and not got["same"]
     assert _same_kernels.compare_census(cold, cold)["same"]
     assert not _same_kernels.compare_census(cold, {**cold, "code": ["b"]})["same"]
+
+
+def test_a_kernel_launched_with_two_configs_in_one_process_is_not_the_same() -> None:
+    """One config per hash agrees, yet the cold process launched that kernel with two configs in
+    two graphs (the H200's Flux, ninth session): the comparison must not read "same"."""
+    one = {"code": ["x"], "triton": {"h": {"name": "k", "config": "B"}}, "split": {}}
+    split = {**one, "split": {"h": ["A", "B"]}}
+    assert _same_kernels.compare_census(one, one)["same"]
+    got = _same_kernels.compare_census(split, one)
+    assert not got["same"] and got["split_cold"] == 1 and got["n_configs_differ"] == 0
+    assert not _same_kernels.compare_census(one, split)["same"]

@@ -20,8 +20,8 @@ processes that run "the same" compiled region:
   copy with its reduction block halved (``_dynamic_scale_rblock``) and benchmarks the two on
   the first launch, and that pick is not written to any cache. Measured on the H200 (torch
   2.11, Flux, the ninth session): one kernel source held by the three graphs' objects launched
-  R0_BLOCK 64 in one graph and 128 in the others, *in one cold process*; a warm process loads
-  it from the bundle without the halved copy and launches 128 everywhere. One pick per kernel
+  R0_BLOCK 64 in one graph and 128 in the others, *in one cold process*; warm processes race
+  the same way (one launched 128 everywhere, another 64 where its cold ran 128). One pick per kernel
   hash cannot describe that cold run, so the census keeps every distinct config a hash
   launched (``split``), and a check against a split record is never "the same";
 - nothing else inductor chooses by timing in the default mode.
