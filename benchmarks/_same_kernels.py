@@ -10,6 +10,10 @@
   state ("hit": its pick came from the cache, "miss": it benchmarked its candidates here).
 - ``compare_census``: two summaries against each other: code and kernels only in one, kernels
   whose configs differ (name, then each side's config).
+- ``overrides``: every process's apply_manifest overrides; ``--scale-rblock`` (the environment
+  variable ``SCALE_RBLOCK_ENV``, so every child process sees it) turns inductor's R-block halving
+  race back on, which surgery turns off on CUDA (surgery.runtime.compile_options): the A/B of
+  its speed and of its effect on warm == cold.
 
 The checksum: the tensor's bytes as int64, summed plain and weighted by position (mod 65521,
 +1), so a change in any one byte changes it, and a swap of two bytes changes the weighted sum.
@@ -18,8 +22,20 @@ The checksum: the tensor's bytes as int64, summed plain and weighted by position
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+SCALE_RBLOCK_ENV = "SURGERY_BENCH_SCALE_RBLOCK"
+
+
+def overrides(cuda: bool) -> dict[str, Any]:
+    """apply_manifest's overrides in every benchmark process: compile on the CPU; with
+    ``SCALE_RBLOCK_ENV=1``, inductor's dynamic R-block scaling back on."""
+    out: dict[str, Any] = {} if cuda else {"on_cpu": "compile"}
+    if os.environ.get(SCALE_RBLOCK_ENV) == "1":
+        out["options"] = {"dynamic_scale_rblock": True}
+    return out
 
 
 def checksum(t: Any) -> list[int]:

@@ -39,6 +39,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import _same_kernels
 from _arms import time_call
 
 
@@ -66,7 +67,7 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    overrides = {"on_cpu": "compile"} if not cuda else {}
+    overrides = _same_kernels.overrides(cuda)
 
     def model() -> Any:
         torch.manual_seed(0)

@@ -378,7 +378,7 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
     def seconds(*keys: str) -> float:
         return round(sum(sum(metrics.get(k, [])) for k in keys), 3)
 
-    overrides = {"on_cpu": "compile"} if not cuda else {}
+    overrides = _same_kernels.overrides(cuda)
     prof = cProfile.Profile() if profile and phase != "cold" else None
     whole = cProfile.Profile() if profile_apply and phase != "cold" else None
     first_load = cProfile.Profile() if prof is not None and whole is None else None
@@ -817,6 +817,10 @@ def main() -> None:
                     help="add a warm process with the bundle's precompiled part unused")
     ap.add_argument("--turns", type=int, default=0, metavar="N",
                     help="add one process with a cold and a warm model, N frames each in turns")
+    ap.add_argument("--scale-rblock", action="store_true",
+                    help="every process with inductor's dynamic R-block scaling on (surgery "
+                         "turns it off on CUDA: its first-launch pick is cached nowhere); the "
+                         "A/B of speed and of warm == cold")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -827,6 +831,8 @@ def main() -> None:
                                    args.device, args.ref, profile=args.profile,
                                    aoti=args.aoti, profile_apply=args.profile_apply)))
         return
+    if args.scale_rblock:
+        os.environ[_same_kernels.SCALE_RBLOCK_ENV] = "1"  # the child processes inherit it
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
@@ -844,7 +850,8 @@ def main() -> None:
                              cold2=args.cold2, mega=args.mega, turns=args.turns)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"## warm start ({args.size}, {dtype}, {args.device}; bytecode {args.pyc})\n")
+    rblock = "; dynamic R-block scaling on" if args.scale_rblock else ""
+    print(f"## warm start ({args.size}, {dtype}, {args.device}; bytecode {args.pyc}{rblock})\n")
     if bytecode["mode"] == "surgery":
         print(f"bytecode: `surgery bytecode` compiled {bytecode['py_files']} .py files before "
               f"the timed processes (discovery {bytecode['discover_s']} s + compile "

@@ -494,3 +494,92 @@ def test_a_record_without_split_reads_as_before_and_a_bad_split_is_refused() -> 
         with pytest.raises(kernel_ids.KernelRecordError):
             kernel_ids.parse_record({"precompiled": {kernel_ids.KERNELS_FIELD:
                                                      {**base, "split": bad}}})
+
+
+# --- the R-block halving race is off by default on CUDA ----------------------------------------
+
+def test_cuda_regions_compile_without_the_rblock_race_unless_the_manifest_asks() -> None:
+    """Inductor's first-launch pick between a reduction kernel and its halved R-block copy is
+    stored by no cache, so a warm start could launch other kernels than its cold start (Flux on
+    the H200: 7.8e-3 apart). On CUDA every inductor region compiles with it off; a manifest may
+    turn it back on (a boolean on the allowlist), and on the CPU, where there is no Triton
+    kernel, nothing is patched."""
+    from surgery.formats.manifest import parse_manifest
+    from surgery.runtime.compile_options import SCALE_RBLOCK, plan_region
+
+    if not hasattr(torch._inductor.config, SCALE_RBLOCK):
+        pytest.skip(f"this torch's inductor has no {SCALE_RBLOCK}")
+    m = Manifest(compute_fingerprint(torch.nn.Linear(2, 2).state_dict()),
+                 [Region("block", ["blocks.0"])], compile=dict(DEFAULT_COMPILE))
+    on = plan_region(m, m.regions[0], overrides=None, on_cuda=True)
+    assert on.config_patches is not None and on.config_patches[SCALE_RBLOCK] is False
+    assert on.options["inductor_config"][SCALE_RBLOCK] is False  # the report shows it
+    off = plan_region(m, m.regions[0], overrides=None, on_cuda=False)
+    assert SCALE_RBLOCK not in (off.config_patches or {})
+    # A mode's patches get it too (a mode cannot sit beside options in a manifest).
+    moded = plan_region(m, m.regions[0], overrides={"mode": "max-autotune-no-cudagraphs"},
+                        on_cuda=True)
+    assert moded.config_patches is not None and moded.config_patches[SCALE_RBLOCK] is False
+    # The manifest's own choice wins, through the reader's allowlist; a default one (as
+    # `surgery plan` writes it) does not carry the option at all.
+    data = m.to_dict()
+    assert SCALE_RBLOCK not in data["compile"].get("options", {})
+    data["compile"] = {**data["compile"], "options": {SCALE_RBLOCK: True}}
+    import tomli_w
+
+    back = parse_manifest(tomli_w.dumps(data), path="m.toml")
+    kept = plan_region(back, back.regions[0], overrides=None, on_cuda=True)
+    assert kept.config_patches is not None and kept.config_patches[SCALE_RBLOCK] is True
+    # From code, too.
+    code = plan_region(m, m.regions[0], overrides={"options": {SCALE_RBLOCK: True}},
+                       on_cuda=True)
+    assert code.config_patches is not None and code.config_patches[SCALE_RBLOCK] is True
+
+
+class _Norms(torch.nn.Module):
+    """Reductions too long for one block (16384 wide): non-persistent, the kind inductor halves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.norm(x), dim=-1) * x.sum(-1, keepdim=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("asked", [False, True], ids=["default", "manifest-asks"])
+def test_cuda_reduction_kernels_carry_the_choice(asked) -> None:
+    """The Triton reduction kernels of a compiled region carry dynamic_scale_rblock=False in
+    their inductor meta (what the runtime reads at the first launch), unless the manifest asks
+    for the race back. Fails without the default: inductor's own default is True."""
+    from surgery.runtime.compile_options import SCALE_RBLOCK
+
+    if not hasattr(torch._inductor.config, SCALE_RBLOCK):
+        pytest.skip(f"this torch's inductor has no {SCALE_RBLOCK}")
+    model = torch.nn.Sequential(_Norms()).cuda().eval()
+    compile_ = {**DEFAULT_COMPILE, "capture": "compiler"}
+    if asked:
+        compile_["options"] = {SCALE_RBLOCK: True}
+    m = Manifest(compute_fingerprint(model.state_dict()), [Region("norms", ["0"])],
+                 compile=compile_)
+    x = torch.randn(64, 16384, device="cuda")
+    with torch.no_grad():
+        ref = model(x)
+    before = {id(mod) for mod in kernel_ids._modules()}
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        h = apply_manifest(model, m, warmup=lambda mod: mod(x), passes=1)
+        out = model(x)
+    try:
+        assert h.report[0].status == "compiled", h.report.summary()
+        new = [mod for mod in kernel_ids._modules() if id(mod) not in before]
+        reductions = [k for _, k in kernel_ids._autotuners(new)
+                      if k.inductor_meta.get("persistent_reduction") is not True
+                      and "red" in k.inductor_meta.get("kernel_name", "")]
+        assert reductions, "no non-persistent reduction kernel was compiled: the test is vacuous"
+        seen = {k.inductor_meta.get(SCALE_RBLOCK, True) for k in reductions}
+        assert seen == {asked}, seen
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    finally:
+        h.restore()

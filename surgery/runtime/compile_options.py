@@ -37,6 +37,16 @@ CLONE_RISK = ("planned for capture='region', which clones no outputs, but run un
 TORCH_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 # Keys that belong to inductor only: torch hands them to other backends as kwargs they reject.
 _INDUCTOR_ONLY = ("mode", "options")
+# Off by default on CUDA. Where a reduction kernel's compile uses too many registers, inductor
+# compiles a copy with half the R-block and, at the kernel's first launch, benchmarks the two and
+# keeps the faster. No cache stores that pick, so it is a timing race: on the H200 one Flux
+# process launched the halved copy in one graph and the full one in two others of the same
+# kernel, another launched the full one everywhere, and a warm start from the bundle differed
+# from its cold start by 7.8e-3 (benchmarks/RESULTS.md, the ninth session). With it off, each such
+# kernel launches its one config in every process, so a warm start runs the cold start's kernels
+# and two cold starts agree. A manifest may turn it back on with
+# ``options = {dynamic_scale_rblock = true}``; code, with overrides={"options": {...}}.
+SCALE_RBLOCK = "dynamic_scale_rblock"
 
 
 @dataclass
@@ -161,6 +171,8 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
         patches.update(opts.get("options", {}))
         if opts.get("emulate_precision_casts", True):
             patches.setdefault("emulate_precision_casts", True)
+        if on_cuda and _has_inductor_option(SCALE_RBLOCK):
+            patches.setdefault(SCALE_RBLOCK, False)
         _check_inductor_options(patches, region)
         if capture == "region" and patches.get("triton.cudagraphs"):
             patches["triton.cudagraphs"] = False
@@ -214,6 +226,13 @@ def plan_region(manifest: Manifest, region: Region, *, overrides: Mapping[str, A
                  clone_outputs=clone, clone_risk=clone_risk,
                  capture_region=cuda_graphs and capture == "region" and on_cuda,
                  eager_reason=eager_reason, notes=notes, max_signatures=budget)
+
+
+def _has_inductor_option(name: str) -> bool:
+    """Whether the installed torch's inductor has this config option (not every torch does)."""
+    from torch._inductor import config as inductor_config
+
+    return hasattr(inductor_config, name)
 
 
 def _check_inductor_options(patches: Mapping[str, Any], region: Region) -> None:
