@@ -56,6 +56,111 @@ def _until_replayed(frame: Callable[[], Any], records: list[Any], ready: Callabl
     return -1
 
 
+def alternate(frames: dict[str, Callable[[], Any]], *, rounds: int,
+              tensors: Callable[[Any], list[Any]], cuda: bool,
+              mark_step: Callable[[], None]) -> dict[str, Any]:
+    """``rounds`` rounds of one frame per arm (two arms), the order alternating (the first arm
+    first in even rounds), timed with CUDA events; each round's two outputs compared bit for
+    bit. Returns ms and peak GiB per arm, the identical rounds and the largest difference."""
+    import torch
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    names = list(frames)
+    assert len(names) == 2, names
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    peak: dict[str, float] = {n: 0.0 for n in names}
+    identical, max_diff = 0, 0.0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(rounds):
+        arms = list(frames.items())
+        got: dict[str, list[Any]] = {}
+        for arm, frame in (arms if i % 2 == 0 else arms[::-1]):
+            if cuda:
+                sync()
+                torch.cuda.reset_peak_memory_stats()
+            y, t, _ = time_call(lambda f=frame: (mark_step(), f())[1], cuda=cuda)
+            got[arm] = [x.detach().clone() for x in tensors(y)]
+            ms[arm].append(t)
+            if cuda:
+                peak[arm] = max(peak[arm], torch.cuda.max_memory_allocated() / 2**30)
+        a, b = got[names[0]], got[names[1]]
+        identical += all(torch.equal(x, z) for x, z in zip(a, b, strict=True))
+        max_diff = max([max_diff, *(float((x.float() - z.float()).abs().max())
+                                    for x, z in zip(a, b, strict=True))])
+    return {"ms": ms, "peak": peak, "identical": identical, "max_diff": max_diff}
+
+
+def _makers(name: str, device: str, build: Callable[[], Any], frames_for: Callable[..., Any]
+            ) -> tuple[Callable[[], Any], Callable[[Any], Callable[[], Any]]]:
+    """(a model built from seed 0, a fresh frame source for a model: seeds from the start,
+    sdpa's stream reset and refilled)."""
+    import torch
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return build().eval()
+
+    def fill(m: Any) -> Callable[[], Any]:
+        frame, _ = frames_for(name, m, device)
+        if name == "sdpa":
+            m.reset_stream()
+            for _ in range(m.config.window + 1):
+                frame()
+        return frame
+
+    return model, fill
+
+
+def run_rblock_turns(*, name: str, manifest: str, device: str, rounds: int,
+                     build: Callable[[], Any], frames_for: Callable[..., Any],
+                     tensors: Callable[[Any], list[Any]], ready: Callable[..., bool]
+                     ) -> dict[str, Any]:
+    """Steady speed with inductor's dynamic R-block scaling off (surgery's default on CUDA)
+    against on, in turns in one process (``--rblock-turns N``): two models compiled cold from
+    the same manifest, the second with ``options = {dynamic_scale_rblock = true}``. Their
+    kernels differ in source (the option is in each kernel's inductor meta), so the two share
+    no cache entry. The figure is the median of on/off per round; outputs are compared too,
+    though the two compiles may pick other configs anyway (autotuning is not deterministic)."""
+    import torch
+
+    from surgery.runtime.apply import apply_manifest, mark_step
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    base = dict(_same_kernels.overrides(cuda))
+    base.pop("options", None)
+    arms = {"off": base, "on": {**base, "options": {"dynamic_scale_rblock": True}}}
+    model, fill = _makers(name, device, build, frames_for)
+    out: dict[str, Any] = {"model": name, "phase": "turns-rblock", "rounds": rounds}
+    models = {arm: model() for arm in arms}
+    handles = {}
+    with torch.inference_mode():
+        for arm, overrides in arms.items():
+            frame = fill(models[arm])
+            handles[arm] = apply_manifest(models[arm], manifest, overrides=overrides)
+            out[f"{arm}_frames_to_replay"] = _until_replayed(
+                frame, handles[arm].report.records, ready, cuda, sync, mark_step)
+        frames = {arm: fill(m) for arm, m in models.items()}  # the same inputs, in lockstep
+        turns = alternate(frames, rounds=rounds, tensors=tensors, cuda=cuda,
+                          mark_step=mark_step)
+    ms = turns["ms"]
+    ratios = [b / a for a, b in zip(ms["off"], ms["on"], strict=True)]
+    for arm, h in handles.items():
+        config = [r.options.get("inductor_config", {}).get("dynamic_scale_rblock")
+                  for r in h.report.records if r.status == "compiled"]
+        out[f"{arm}_median_ms"] = round(statistics.median(ms[arm]), 3)
+        out[f"{arm}_peak_gib"] = round(turns["peak"][arm], 3) if cuda else None
+        out[f"{arm}_compiled_paths"] = len(config)
+        out[f"{arm}_scale_rblock"] = sorted({str(c) for c in config})  # what the report shows
+        h.restore()
+    out.update({"on_over_off_median": round(statistics.median(ratios), 4),
+                "on_over_off_range": [round(min(ratios), 4), round(max(ratios), 4)],
+                "identical_rounds": turns["identical"], "max_abs_diff": turns["max_diff"]})
+    return out
+
+
 def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int,
               build: Callable[[], Any], frames_for: Callable[..., Any],
               tensors: Callable[[Any], list[Any]], ready: Callable[..., bool]) -> dict[str, Any]:
@@ -68,20 +173,7 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     overrides = _same_kernels.overrides(cuda)
-
-    def model() -> Any:
-        torch.manual_seed(0)
-        with torch.device(device):
-            return build().eval()
-
-    def fill(m: Any) -> Callable[[], Any]:
-        """A fresh frame source for ``m`` (seeds from the start); sdpa's stream refilled."""
-        frame, _ = frames_for(name, m, device)
-        if name == "sdpa":
-            m.reset_stream()
-            for _ in range(m.config.window + 1):
-                frame()
-        return frame
+    model, fill = _makers(name, device, build, frames_for)
 
     def traced() -> int:
         return len(metrics.get("bytecode_tracing", []))
@@ -103,27 +195,10 @@ def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int
         runs0 = sum(r.precompiled_runs for r in hw.report.records)
         replays0 = sum(r.cuda_graph_replays for r in hw.report.records)
         frame_c, frame_w = fill(cold), fill(warm)  # the same inputs from here on, in lockstep
-        ms: dict[str, list[float]] = {"cold": [], "warm": []}
-        peak: dict[str, float] = {"cold": 0.0, "warm": 0.0}
-        identical, max_diff = 0, 0.0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        for i in range(rounds):
-            arms = [("cold", frame_c), ("warm", frame_w)]
-            got: dict[str, list[Any]] = {}
-            for arm, frame in (arms if i % 2 == 0 else arms[::-1]):
-                if cuda:
-                    sync()
-                    torch.cuda.reset_peak_memory_stats()
-                y, t, _ = time_call(lambda f=frame: (mark_step(), f())[1], cuda=cuda)
-                got[arm] = [x.detach().clone() for x in tensors(y)]
-                ms[arm].append(t)
-                if cuda:
-                    peak[arm] = max(peak[arm], torch.cuda.max_memory_allocated() / 2**30)
-            same = all(torch.equal(a, b) for a, b in zip(got["cold"], got["warm"], strict=True))
-            identical += same
-            max_diff = max([max_diff, *(float((a.float() - b.float()).abs().max())
-                                        for a, b in zip(got["cold"], got["warm"], strict=True))])
+        turns = alternate({"cold": frame_c, "warm": frame_w}, rounds=rounds, tensors=tensors,
+                          cuda=cuda, mark_step=mark_step)
+    ms, peak = turns["ms"], turns["peak"]
+    identical, max_diff = turns["identical"], turns["max_diff"]
     ratios = [w / c for c, w in zip(ms["cold"], ms["warm"], strict=True)]
     records = hw.report.records
     out.update({

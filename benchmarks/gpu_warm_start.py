@@ -28,6 +28,9 @@ TRITON_CACHE_DIR, under `torch.inference_mode()`:
          cold start deterministic? (its output, region outputs and kernels against cold's)
   warm-mega  (``--mega``) warm from the same bundle with its precompiled part unused (every
          group compiles with dynamo, hitting the Mega-Cache part): the dynamo path's kernels
+  turns-rblock  (``--rblock-turns N``) one process with two cold-compiled models, inductor's
+         dynamic R-block scaling off (surgery's default on CUDA) and on, N frames of each in
+         turns: the speed that default costs or saves (benchmarks/_warm_turns.py)
   turns  (``--turns N``) one process holding a cold-compiled model and a model warm-loaded
          from the bundle, N frames of each in alternating turns (benchmarks/_warm_turns.py):
          steady ms warm/cold with the host's drift cancelled, outputs compared bit for bit,
@@ -101,10 +104,11 @@ import _bytecode  # noqa: E402
 import _hashes  # noqa: E402
 import _same_kernels  # noqa: E402
 from _arms import child_result, latency, time_call  # noqa: E402
-from _warm_turns import run_turns  # noqa: E402
+from _warm_turns import run_rblock_turns, run_turns  # noqa: E402
 
 MODELS = ("sdpa", "flux", "hf_bert")
-PHASES = ("cold", "cold2", "warm", "warm-host", "warm-base", "warm-aoti", "warm-mega", "turns")
+PHASES = ("cold", "cold2", "warm", "warm-host", "warm-base", "warm-aoti", "warm-mega", "turns",
+          "turns-rblock")
 _COLD = ("cold", "cold2")  # processes that compile without a bundle
 # Modules a start from runners should not import (inductor's compiler and loader, Triton).
 HEAVY = ("torch._inductor.graph", "torch._inductor.lowering", "torch._inductor.select_algorithm",
@@ -343,6 +347,11 @@ def run_phase(phase: str, name: str, manifest: str, bundle: str, device: str,
         return run_turns(name=name, manifest=manifest, bundle=bundle, device=device,
                          rounds=int(os.environ.get("WARM_TURNS", "20")), build=bench_model,
                          frames_for=_frames_for, tensors=_tensors, ready=_ready)
+    if phase == "turns-rblock":
+        return run_rblock_turns(name=name, manifest=manifest, device=device,
+                                rounds=int(os.environ.get("WARM_RBLOCK_TURNS", "20")),
+                                build=bench_model, frames_for=_frames_for, tensors=_tensors,
+                                ready=_ready)
     if phase == "warm-mega":  # the bundle's precompiled part left unused: dynamo + Mega-Cache
         pre.Loaded.take = lambda self, *a, **k: {}  # type: ignore[method-assign]
     import_s = time.perf_counter() - STARTED
@@ -576,8 +585,8 @@ def prepare_bytecode(mode: str, models: list[str], device: str, work: str,
 def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
               keep: bool, profile: bool = False, baseline: bool = False, aoti: bool = False,
               profile_apply: bool = False, bytecode: dict[str, Any] | None = None,
-              cold2: bool = False, mega: bool = False, turns: int = 0
-              ) -> list[dict[str, Any]]:
+              cold2: bool = False, mega: bool = False, turns: int = 0,
+              rblock_turns: int = 0) -> list[dict[str, Any]]:
     from surgery.formats.manifest import save_manifest
     from surgery.planning.plan import plan_model
 
@@ -596,7 +605,9 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
     results: list[dict[str, Any]] = []
     bytecode = bytecode or {"mode": "host", "prefix": None}
     env["WARM_TURNS"] = str(turns)
-    extra = {"cold2": cold2, "warm-mega": mega, "turns": turns > 0}
+    env["WARM_RBLOCK_TURNS"] = str(rblock_turns)
+    extra = {"cold2": cold2, "warm-mega": mega, "turns": turns > 0,
+             "turns-rblock": rblock_turns > 0}
     phases = [p for p in PHASES if p in ("cold", "warm") or extra.get(p)
               or (p == "warm-base" and baseline)
               or (p == "warm-aoti" and aoti) or (p == "warm-host" and
@@ -613,7 +624,7 @@ def run_model(name: str, *, size: str, device: str, dtype: str, timeout: int,
                             manifest, "--bundle", bundle, "--device", device, "--ref", ref,
                             *(["--profile"] if profile else []), *(["--aoti"] if aoti else []),
                             *(["--profile-apply"] if profile_apply else [])],
-                           env=penv, timeout=timeout * (2 if phase == "turns" else 1),
+                           env=penv, timeout=timeout * (2 if phase.startswith("turns") else 1),
                            ident={"model": name, "phase": phase})
         results.append(res)
         if phase in _COLD:  # a deployment has none of the cold host's cache folder: torch's
@@ -631,6 +642,8 @@ def turns_table(results: list[dict[str, Any]]) -> list[str]:
     """The in-turns rows (benchmarks/_warm_turns.py)."""
     rows = []
     for r in results:
+        if r.get("phase") == "turns-rblock":
+            rows += rblock_lines(r)
         if r.get("phase") != "turns":
             continue
         if "error" in r:
@@ -655,6 +668,19 @@ def turns_table(results: list[dict[str, Any]]) -> list[str]:
             rows.append("  WARNING: THE WARM MODEL DID NOT (ONLY) RUN THE BUNDLE'S CODE: this is "
                         "not a cold-against-warm figure")
     return rows
+
+
+def rblock_lines(r: dict[str, Any]) -> list[str]:
+    """The R-block A/B row (benchmarks/_warm_turns.run_rblock_turns)."""
+    if "error" in r:
+        return [f"{r['model']} R-block turns: failed: {r['error'][:300]}"]
+    return [f"{r['model']} R-block scaling in turns ({r['rounds']} rounds, one process, two cold "
+            f"compiles): off (surgery's default) {r['off_median_ms']} ms, on "
+            f"{r['on_median_ms']} ms, on/off median {r['on_over_off_median']} (range "
+            f"{r['on_over_off_range']}); peak GiB off {r['off_peak_gib']} / on "
+            f"{r['on_peak_gib']}; the reports' dynamic_scale_rblock: off {r['off_scale_rblock']}"
+            f" on {r['on_scale_rblock']} ({r['off_compiled_paths']} / {r['on_compiled_paths']} "
+            f"compiled paths); outputs identical {r['identical_rounds']}/{r['rounds']}"]
 
 
 def kernel_lines(r: dict[str, Any]) -> list[str]:
@@ -682,7 +708,7 @@ def kernel_lines(r: dict[str, Any]) -> list[str]:
 
 def table(results: list[dict[str, Any]]) -> str:
     turns = turns_table(results)
-    results = [r for r in results if r.get("phase") != "turns"]
+    results = [r for r in results if not str(r.get("phase")).startswith("turns")]
     rows = ["| model | process | apply -> first replayed frame (s) | frames | apply (s) "
             "| of which bundle checks + Mega-Cache (s) | precompiled load (s) | dynamo tracing (s) "
             "| backend (s) | graph capture (s) | rest: running the frames (s) "
@@ -817,6 +843,9 @@ def main() -> None:
                     help="add a warm process with the bundle's precompiled part unused")
     ap.add_argument("--turns", type=int, default=0, metavar="N",
                     help="add one process with a cold and a warm model, N frames each in turns")
+    ap.add_argument("--rblock-turns", type=int, default=0, metavar="N",
+                    help="add one process with two cold models, R-block scaling off (the "
+                         "default) and on, N frames each in turns: the speed A/B")
     ap.add_argument("--scale-rblock", action="store_true",
                     help="every process with inductor's dynamic R-block scaling on (surgery "
                          "turns it off on CUDA: its first-launch pick is cached nowhere); the "
@@ -847,7 +876,8 @@ def main() -> None:
                              timeout=args.timeout, keep=args.keep, profile=args.profile,
                              baseline=args.baseline, aoti=args.aoti,
                              profile_apply=args.profile_apply, bytecode=bytecode,
-                             cold2=args.cold2, mega=args.mega, turns=args.turns)
+                             cold2=args.cold2, mega=args.mega, turns=args.turns,
+                             rblock_turns=args.rblock_turns)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     rblock = "; dynamic R-block scaling on" if args.scale_rblock else ""

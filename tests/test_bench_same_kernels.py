@@ -90,3 +90,35 @@ def test_a_kernel_launched_with_two_configs_in_one_process_is_not_the_same() -> 
     got = _same_kernels.compare_census(split, one)
     assert not got["same"] and got["split_cold"] == 1 and got["n_configs_differ"] == 0
     assert not _same_kernels.compare_census(one, split)["same"]
+
+
+def test_turns_alternate_the_order_and_compare_each_round(monkeypatch) -> None:
+    """_warm_turns.alternate: the first arm goes first in even rounds only, every frame is timed
+    once, and a round counts as identical only when both outputs are equal bit for bit."""
+    import _warm_turns
+
+    order: list[str] = []
+    outs = {"a": [torch.ones(3)] * 4, "b": [torch.ones(3), torch.ones(3) + 1e-3,
+                                            torch.ones(3), torch.ones(3)]}
+
+    def frame(arm: str):
+        def f():
+            order.append(arm)
+            return outs[arm][sum(x == arm for x in order) - 1]
+        return f
+
+    monkeypatch.setattr(_warm_turns, "time_call",
+                        lambda fn, cuda: (fn(), 1.0, None))
+    got = _warm_turns.alternate({"a": frame("a"), "b": frame("b")}, rounds=4,
+                                tensors=lambda y: [y], cuda=False, mark_step=lambda: None)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert got["ms"] == {"a": [1.0] * 4, "b": [1.0] * 4}
+    assert got["identical"] == 3 and abs(got["max_diff"] - 1e-3) < 1e-6
+
+
+def test_the_benchmarks_overrides_turn_rblock_scaling_on_only_when_asked(monkeypatch) -> None:
+    monkeypatch.delenv(_same_kernels.SCALE_RBLOCK_ENV, raising=False)
+    assert _same_kernels.overrides(True) == {}
+    assert _same_kernels.overrides(False) == {"on_cpu": "compile"}
+    monkeypatch.setenv(_same_kernels.SCALE_RBLOCK_ENV, "1")
+    assert _same_kernels.overrides(True) == {"options": {"dynamic_scale_rblock": True}}
