@@ -32,6 +32,10 @@ What is done instead.
   on this thread, first) and swallows its errors (the loader then computes the key itself, as
   without this). On the CPU neither key is on the load path (kernels are C++), so no key
   thread starts (the native build's does, below).
+- **torch's key from the deployment step.** Where ``surgery bytecode`` recorded torch's key
+  beside the bytecode and the record's stamp matches the installed torch,
+  ``KeyPrefetch.start`` hands it to torch before the thread starts
+  (surgery.runtime.torch_key_stamp), and the thread computes triton's key only.
 - **Native builds beside the imports.** The loader's set-up (surgery.runtime.load_timing) runs
   one native build a process: on CUDA Triton's driver utilities (a small C extension that Triton
   builds with the C compiler into an empty ``TRITON_CACHE_DIR``: 0.30 s of the H200's 1.22 s
@@ -78,6 +82,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from surgery.runtime import torch_key_stamp
 
 
 def _key_functions(device: str) -> list[tuple[str, Callable[[], Any]]]:
@@ -153,6 +159,7 @@ class KeyPrefetch:
         self.waited = 0.0  # how long wait() blocked the caller
         self.build_waited = 0.0  # how long wait_build() blocked the caller
         self.imports_s = 0.0  # the build's modules, imported on the caller's thread first
+        self.torch_key_from = ""  # "set": torch's key came from the bytecode folder's record
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> None:
         t = time.perf_counter()
@@ -170,6 +177,10 @@ class KeyPrefetch:
         by default CUDA only (see the module doc for why not the CPU)."""
         funcs = _key_functions(device)
         pre = cls([n for n, _ in funcs], None)
+        if any(n == "torch_key" for n, _ in funcs):
+            # the deployment step's record, where it matches this torch (surgery.runtime.
+            # torch_key_stamp): the thread's torch_key() then returns at once
+            pre.torch_key_from = torch_key_stamp.preset()
         build = device.startswith("cuda") if build is None else build
         if build and (native := native_build(device)) is not None:
             name, fn, modules = native
@@ -215,6 +226,7 @@ class KeyPrefetch:
                 **({"build": {self.build: self.seconds.get(self.build),
                               "waited_s": self.build_waited, "imports_s": self.imports_s}}
                    if self.build else {}),
+                **({"torch_key_record": self.torch_key_from} if self.torch_key_from else {}),
                 **({"failed": dict(self.failed)} if self.failed else {})}
 
 
