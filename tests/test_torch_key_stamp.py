@@ -109,6 +109,16 @@ def test_no_folder_or_no_file_says_so(monkeypatch) -> None:
     assert "no surgery-torch-key.json" in tks.preset("/nonexistent-folder-for-this-test")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_or_a_folder_in_the_records_place_is_refused_without_blocking(tmp_path) -> None:
+    os.mkfifo(tmp_path / tks.FILE)
+    assert tks.preset(str(tmp_path)) == f"{tks.FILE} ignored: not a regular file"
+    other = tmp_path / "other"
+    (other / tks.FILE).mkdir(parents=True)
+    assert "not a regular file" in tks.preset(str(other)) or "unreadable" in tks.preset(
+        str(other))
+
+
 def test_a_record_that_would_not_read_back_is_never_written(tmp_path) -> None:
     with pytest.raises(ValueError, match="sha256"):
         tks.write(str(tmp_path), _record(torch_key="zz"))

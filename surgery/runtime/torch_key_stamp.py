@@ -30,7 +30,8 @@ What it does.
   before, and ``preset`` says why: no folder, no file, a stale stamp (torch upgraded, a file
   edited), a file it cannot read, or a torch without the setter.
 
-What an attacker's file can do. The file is data: at most ``MAX_BYTES`` read, one JSON object
+What an attacker's file can do. The file is data: a regular file only (opened without blocking,
+so a FIFO cannot hang the start), at most ``MAX_BYTES`` read, one JSON object
 with exactly the fields of ``record()``, each checked (two sha256 hex digests, short texts);
 anything else is ignored. A forged key that passes (someone who can write the folder, and who
 could then also replace its ``.pyc``, which Python runs) changes only which inductor cache entries
@@ -47,6 +48,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from typing import Any
@@ -152,12 +154,21 @@ def preset(folder: str | None = None) -> str:
         return "no bytecode folder (PYTHONPYCACHEPREFIX unset)"
     path = os.path.join(folder, FILE)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
+        # not blocking: a FIFO put there would hang the start on open
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return f"no {FILE} in the bytecode folder (run `surgery bytecode` again)"
     except OSError as e:
         return f"{FILE} unreadable: {type(e).__name__}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"{FILE} ignored: not a regular file"
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        return f"{FILE} unreadable: {type(e).__name__}"
+    finally:
+        os.close(fd)
     rec = parse(raw)
     if isinstance(rec, str):
         return f"{FILE} ignored: {rec}"
