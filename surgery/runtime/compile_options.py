@@ -44,7 +44,10 @@ _INDUCTOR_ONLY = ("mode", "options")
 # kernel, another launched the full one everywhere, and a warm start from the bundle differed
 # from its cold start by 7.8e-3 (benchmarks/RESULTS.md, the ninth session). With it off, each such
 # kernel launches its one config in every process, so a warm start runs the cold start's kernels
-# and two cold starts agree. A manifest may turn it back on with
+# (measured: identical outputs, the tenth session). Two cold starts may still differ: a kernel
+# with several configs autotunes by timing, and only the bundle carries its pick to a warm start.
+# In turns the default cost Flux about 1.6% (on/off 0.984) and SDPA and BERT nothing shown. A
+# manifest may turn it back on with
 # ``options = {dynamic_scale_rblock = true}``; code, with overrides={"options": {...}}.
 SCALE_RBLOCK = "dynamic_scale_rblock"
 
