@@ -158,7 +158,23 @@ def run_rblock_turns(*, name: str, manifest: str, device: str, rounds: int,
     out.update({"on_over_off_median": round(statistics.median(ratios), 4),
                 "on_over_off_range": [round(min(ratios), 4), round(max(ratios), 4)],
                 "identical_rounds": turns["identical"], "max_abs_diff": turns["max_diff"]})
+    out["ab_problem"] = rblock_ab_problem(out, cuda)
     return out
+
+
+def rblock_ab_problem(out: dict[str, Any], cuda: bool) -> str:
+    """Why the R-block turns are not an A/B of the setting ("" when they are): an arm that
+    compiled nothing, or whose reports do not show the setting it was meant to run with (on the
+    CPU surgery sets nothing, and there is no Triton kernel to scale)."""
+    if not cuda:
+        return "not on CUDA: no Triton kernel, and surgery sets no default here"
+    for arm, want in (("off", "False"), ("on", "True")):
+        if not out.get(f"{arm}_compiled_paths"):
+            return f"the {arm} arm compiled no region path"
+        if out.get(f"{arm}_scale_rblock") != [want]:
+            return (f"the {arm} arm's reports show dynamic_scale_rblock "
+                    f"{out.get(f'{arm}_scale_rblock')}, not [{want!r}]")
+    return ""
 
 
 def run_turns(*, name: str, manifest: str, bundle: str, device: str, rounds: int,

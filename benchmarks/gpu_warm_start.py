@@ -680,7 +680,9 @@ def rblock_lines(r: dict[str, Any]) -> list[str]:
             f"{r['on_over_off_range']}); peak GiB off {r['off_peak_gib']} / on "
             f"{r['on_peak_gib']}; the reports' dynamic_scale_rblock: off {r['off_scale_rblock']}"
             f" on {r['on_scale_rblock']} ({r['off_compiled_paths']} / {r['on_compiled_paths']} "
-            f"compiled paths); outputs identical {r['identical_rounds']}/{r['rounds']}"]
+            f"compiled paths); outputs identical {r['identical_rounds']}/{r['rounds']}"] + (
+        [f"  WARNING: NOT AN A/B OF THE R-BLOCK SETTING: {r['ab_problem']}"]
+        if r.get("ab_problem") else [])
 
 
 def kernel_lines(r: dict[str, Any]) -> list[str]:

@@ -122,3 +122,26 @@ def test_the_benchmarks_overrides_turn_rblock_scaling_on_only_when_asked(monkeyp
     assert _same_kernels.overrides(False) == {"on_cpu": "compile"}
     monkeypatch.setenv(_same_kernels.SCALE_RBLOCK_ENV, "1")
     assert _same_kernels.overrides(True) == {"options": {"dynamic_scale_rblock": True}}
+
+
+def test_rblock_turns_that_compiled_nothing_or_ran_the_wrong_setting_say_so() -> None:
+    """An R-block A/B whose arm compiled nothing, or ran without the setting it was meant to
+    test, is flagged, not printed as a figure; on CUDA with both settings shown it is not."""
+    import _warm_turns
+    import gpu_warm_start
+
+    good = {"model": "m", "rounds": 2, "off_median_ms": 1.0, "on_median_ms": 1.0,
+            "on_over_off_median": 1.0, "on_over_off_range": [1.0, 1.0], "off_peak_gib": 1.0,
+            "on_peak_gib": 1.0, "off_scale_rblock": ["False"], "on_scale_rblock": ["True"],
+            "off_compiled_paths": 3, "on_compiled_paths": 3, "identical_rounds": 2}
+    assert _warm_turns.rblock_ab_problem(good, True) == ""
+    assert "not on CUDA" in _warm_turns.rblock_ab_problem(good, False)
+    assert "compiled no region path" in _warm_turns.rblock_ab_problem(
+        {**good, "on_compiled_paths": 0}, True)
+    assert "not ['False']" in _warm_turns.rblock_ab_problem(
+        {**good, "off_scale_rblock": ["None"]}, True)
+    bad = {**good, "ab_problem": _warm_turns.rblock_ab_problem(
+        {**good, "off_compiled_paths": 0}, True)}
+    assert any("WARNING: NOT AN A/B" in line for line in gpu_warm_start.rblock_lines(bad))
+    assert not any("WARNING" in line for line in gpu_warm_start.rblock_lines(
+        {**good, "ab_problem": ""}))

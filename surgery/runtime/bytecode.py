@@ -28,7 +28,8 @@ What it does (``compile_bytecode``, ``surgery bytecode FOLDER``), only when aske
 4. where the modules include inductor's code cache (the default list does), records torch's
    source key beside the bytecode (surgery.runtime.torch_key_stamp), computed in the
    discovery interpreter: a warm start then hands it to torch instead of hashing torch's
-   sources (0.45 s of waiting on the H200).
+   sources (the loader waited 0.45 s for that hash on the H200; what the record saves there
+   is not measured yet).
 
 Using it: run the deployment with ``PYTHONPYCACHEPREFIX=FOLDER`` (``PYTHONDONTWRITEBYTECODE=1``
 may stay: Python still reads). A package changed since is compiled from source again (its mtime

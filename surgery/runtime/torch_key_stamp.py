@@ -22,13 +22,14 @@ What it does.
   superset of what ``torch_key()`` reads, and the same proof Python uses to trust a ``.pyc``:
   source size and mtime. A stat walk of about 2,400 files takes 0.06 s on the 2-core CPU,
   against 0.2-1.1 s for the key.
-- ``preset()``, in a warm start (warm_loader.KeyPrefetch.start, on CUDA, before the key thread
-  starts): where the process has a bytecode folder (``sys.pycache_prefix``, from
-  ``PYTHONPYCACHEPREFIX``) holding ``FILE``, and its stamp equals the stamp computed now, it
-  hands the key to torch through torch's own setter (``torch_key.set``, which torch's compile
-  workers use to receive the parent's key). Anything else leaves torch to compute the key as
-  before, and ``preset`` says why: no folder, no file, a stale stamp (torch upgraded, a file
-  edited), a file it cannot read, or a torch without the setter.
+- ``preset()``, in a warm start (warm_loader.KeyPrefetch, on CUDA, first in the key thread,
+  beside the loader's imports): where the process has a bytecode folder
+  (``sys.pycache_prefix``, from ``PYTHONPYCACHEPREFIX``) holding ``FILE``, and its stamp
+  equals the stamp computed now, it hands the key to torch through torch's own setter
+  (``torch_key.set``, which torch's compile workers use to receive the parent's key).
+  Anything else leaves torch to compute the key as before, and ``preset`` says why: no
+  folder, no file, a stale stamp (torch upgraded, a file edited), a file it cannot read, or a
+  torch without the setter.
 
 What an attacker's file can do. The file is data: a regular file only (opened without blocking,
 so a FIFO cannot hang the start), at most ``MAX_BYTES`` read, one JSON object

@@ -34,8 +34,8 @@ What is done instead.
   thread starts (the native build's does, below).
 - **torch's key from the deployment step.** Where ``surgery bytecode`` recorded torch's key
   beside the bytecode and the record's stamp matches the installed torch,
-  ``KeyPrefetch.start`` hands it to torch before the thread starts
-  (surgery.runtime.torch_key_stamp), and the thread computes triton's key only.
+  the key thread hands it to torch first (surgery.runtime.torch_key_stamp), so its
+  ``torch_key()`` returns at once and it computes triton's key only.
 - **Native builds beside the imports.** The loader's set-up (surgery.runtime.load_timing) runs
   one native build a process: on CUDA Triton's driver utilities (a small C extension that Triton
   builds with the C compiler into an empty ``TRITON_CACHE_DIR``: 0.30 s of the H200's 1.22 s
@@ -177,10 +177,7 @@ class KeyPrefetch:
         by default CUDA only (see the module doc for why not the CPU)."""
         funcs = _key_functions(device)
         pre = cls([n for n, _ in funcs], None)
-        if any(n == "torch_key" for n, _ in funcs):
-            # the deployment step's record, where it matches this torch (surgery.runtime.
-            # torch_key_stamp): the thread's torch_key() then returns at once
-            pre.torch_key_from = torch_key_stamp.preset()
+        preset = any(n == "torch_key" for n, _ in funcs)
         build = device.startswith("cuda") if build is None else build
         if build and (native := native_build(device)) is not None:
             name, fn, modules = native
@@ -193,6 +190,10 @@ class KeyPrefetch:
             pre.build_thread.start()
         if funcs:
             def run() -> None:
+                if preset:  # the deployment step's record, where it matches this torch
+                    # (surgery.runtime.torch_key_stamp; its stat walk runs here, beside the
+                    # imports, not before them): torch_key() below then returns at once
+                    pre.torch_key_from = torch_key_stamp.preset()
                 for key, fn in funcs:
                     pre._timed(key, fn)
 
