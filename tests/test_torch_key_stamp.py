@@ -125,8 +125,8 @@ def test_a_record_that_would_not_read_back_is_never_written(tmp_path) -> None:
 
 
 def test_the_warm_loaders_key_thread_uses_the_record(tmp_path) -> None:
-    """KeyPrefetch.start on CUDA presets torch's key before its thread starts (the thread then
-    returns it at once); the summary says where the key came from."""
+    """KeyPrefetch.start on CUDA presets torch's key first in its key thread (its torch_key()
+    then returns at once); the summary says where the key came from."""
     tks.write(str(tmp_path), _record())
     code = textwrap.dedent("""
         import json, sys
@@ -166,3 +166,43 @@ def test_the_deployment_steps_discovery_records_torchs_real_key(tmp_path) -> Non
     assert key["torch_key"] == torch_key().hex()  # torch's own key, not a copy of it
     assert bytecode._discover(("json",), folder=str(folder))[1] is None
     assert bytecode._record_key(str(folder), None) == ""
+
+
+@pytest.mark.parametrize(("lines", "want"), [
+    pytest.param(['torch-key {"format": 1}'], {"format": 1}, id="record"),
+    pytest.param(['torch-key-failed "ImportError: no"'], "ImportError: no", id="failed"),
+    pytest.param(["torch-key {not json"], "the discovery printed a torch-key line that is not JSON",
+                 id="not-json"),
+    pytest.param(['torch-key [1, 2]'], "[1, 2]", id="not-an-object"),
+    pytest.param(['torch-key {bad', 'torch-key {"format": 1}'], {"format": 1},
+                 id="the-last-line-wins"),
+    pytest.param(["hello", "torch-keys are fun"], None, id="none"),
+])
+def test_the_discoverys_key_line_is_read_back_without_raising(lines, want) -> None:
+    """A module the discovery imports may print anything; a bad torch-key line is a reason,
+    never a traceback from `surgery bytecode`."""
+    from surgery.runtime import bytecode
+
+    assert bytecode._key_line(lines) == want
+
+
+def test_a_key_torch_computed_first_is_kept(tmp_path) -> None:
+    """A process that asked torch for its key before the preset keeps torch's own key, and the
+    reason says so (torch 2.14's setter raises, 2.11's asserts)."""
+    tks.write(str(tmp_path), _record())
+    code = textwrap.dedent("""
+        import json, sys
+        from torch._inductor.codecache import torch_key
+        own = torch_key().hex()
+        from surgery.runtime import torch_key_stamp
+        status = torch_key_stamp.preset(sys.argv[1])
+        print(json.dumps({"status": status, "own": own, "key": torch_key().hex()}))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["status"] == "not set: torch computed its key in this process first", got
+    assert got["key"] == got["own"] != FAKE
+
